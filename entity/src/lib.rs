@@ -1,0 +1,11 @@
+//! sea-orm entities of device-list-updater, one module per table.
+//!
+//! The schema itself lives in the `migration` crate; `docs/storage.md` explains
+//! what each table is for.
+
+pub mod cross_signing_key;
+pub mod key_change_outbox;
+pub mod remote_device;
+pub mod remote_user;
+pub mod service_meta;
+pub mod stale_user;

@@ -1,0 +1,26 @@
+//! Per remote user stream state: the stream ids we know, for the prev_id rule.
+
+use sea_orm::entity::prelude::*;
+
+/// One remote user we track.
+#[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+#[sea_orm(table_name = "remote_user")]
+pub struct Model {
+    /// The Matrix user id, e.g. `@alice:remote.example`.
+    #[sea_orm(primary_key, auto_increment = false, column_type = "Text")]
+    pub user_id: String,
+    /// The user's server name (the part after the first `:`).
+    #[sea_orm(column_type = "Text")]
+    pub server_name: String,
+    /// JSON array of the most recent stream ids known for the user, newest first.
+    #[sea_orm(column_type = "Text")]
+    pub known_stream_ids: String,
+    /// The highest stream id ever recorded for the user.
+    pub max_stream_id: i64,
+}
+
+/// No relations are declared: joins are written where they are needed.
+#[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+pub enum Relation {}
+
+impl ActiveModelBehavior for ActiveModel {}

@@ -1,0 +1,27 @@
+//! Users whose device list must be fetched again. A row's presence is the flag.
+
+use sea_orm::entity::prelude::*;
+
+/// One stale user.
+#[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+#[sea_orm(table_name = "stale_user")]
+pub struct Model {
+    /// The stale user.
+    #[sea_orm(primary_key, auto_increment = false, column_type = "Text")]
+    pub user_id: String,
+    /// The user's server, so one fetch job can serve all its stale users.
+    #[sea_orm(column_type = "Text")]
+    pub server_name: String,
+    /// When the user was first marked stale (Unix milliseconds).
+    pub marked_at_ms: i64,
+    /// JSON array of the stream ids of the updates that made the user stale;
+    /// they count as known once a fetch succeeds.
+    #[sea_orm(column_type = "Text")]
+    pub trigger_stream_ids: String,
+}
+
+/// No relations are declared.
+#[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+pub enum Relation {}
+
+impl ActiveModelBehavior for ActiveModel {}

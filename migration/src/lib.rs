@@ -1,0 +1,19 @@
+//! Database migrations of device-list-updater.
+//!
+//! One set of migrations runs on both SQLite and PostgreSQL; every table is
+//! described in `docs/storage.md`. Migrations are applied by `device-list-updater
+//! migrate` and at the start of `device-list-updater run`.
+
+pub use sea_orm_migration::prelude::*;
+
+mod m20261130_000001_initial;
+
+/// The list of migrations, oldest first.
+pub struct Migrator;
+
+#[async_trait::async_trait]
+impl MigratorTrait for Migrator {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        vec![Box::new(m20261130_000001_initial::Migration)]
+    }
+}

@@ -1,0 +1,194 @@
+//! Streams and consumers of SPEC §4: created when missing, adopted when a
+//! homeserver already owns a stream that captures the subjects.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{AckPolicy, PriorityPolicy, pull};
+use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy};
+use async_nats::jetstream::{self, Context};
+
+/// Input stream created when no stream captures the input subjects.
+pub const INPUT_STREAM: &str = "DEVICE_LIST_INPUT";
+/// Key-change output stream.
+pub const KEY_CHANGE_STREAM: &str = "KEY_CHANGE";
+/// Dead-letter stream.
+pub const DEAD_STREAM: &str = "DEVICE_LIST_DEAD";
+/// Fetch-job work queue (one pending job per remote server).
+pub const FETCH_STREAM: &str = "DEVICE_LIST_FETCH";
+/// Durable name of the input consumer.
+pub const INPUT_CONSUMER: &str = "device-list-updater-input";
+/// Priority group of the input consumer: one replica is pinned at a time.
+pub const PIN_GROUP: &str = "device-list-updater";
+
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// Default configuration of the input stream.
+pub fn input_stream_config() -> stream::Config {
+    stream::Config {
+        name: INPUT_STREAM.into(),
+        subjects: vec!["devicelist.in.>".into()],
+        max_age: 7 * DAY,
+        ..Default::default()
+    }
+}
+
+/// Configuration of `KEY_CHANGE`. The duplicate window absorbs re-sends of
+/// outbox events after a crash between publish and delete.
+pub fn key_change_stream_config() -> stream::Config {
+    stream::Config {
+        name: KEY_CHANGE_STREAM.into(),
+        subjects: vec!["key_change.>".into()],
+        max_age: 7 * DAY,
+        duplicate_window: Duration::from_secs(600),
+        ..Default::default()
+    }
+}
+
+/// Configuration of `DEVICE_LIST_DEAD`.
+pub fn dead_stream_config() -> stream::Config {
+    stream::Config {
+        name: DEAD_STREAM.into(),
+        subjects: vec!["devicelist.dead.>".into()],
+        max_age: 30 * DAY,
+        ..Default::default()
+    }
+}
+
+/// Configuration of the fetch-job queue: a work queue that keeps at most one
+/// message per subject (one subject per remote server), refusing a second.
+pub fn fetch_stream_config() -> stream::Config {
+    stream::Config {
+        name: FETCH_STREAM.into(),
+        subjects: vec!["devicelist.fetch.>".into()],
+        retention: RetentionPolicy::WorkQueue,
+        max_messages_per_subject: 1,
+        discard: DiscardPolicy::New,
+        discard_new_per_subject: true,
+        ..Default::default()
+    }
+}
+
+/// Whether `subject` matches the NATS pattern `pattern` (`*` and `>` wildcards).
+pub fn subject_matches(pattern: &str, subject: &str) -> bool {
+    let mut pattern = pattern.split('.');
+    let mut subject = subject.split('.');
+    loop {
+        match (pattern.next(), subject.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(p), Some(s)) if p == s => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+/// Finds the stream capturing each subject; subjects no stream captures are
+/// given to `fallback`, which is created. Returns subjects grouped by stream.
+pub async fn ensure_subjects(
+    js: &Context,
+    subjects: &[String],
+    fallback: stream::Config,
+) -> Result<BTreeMap<String, Vec<String>>, String> {
+    let mut by_stream: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut missing = Vec::new();
+    for subject in subjects {
+        match js.stream_by_subject(subject.as_str()).await {
+            Ok(name) => by_stream.entry(name).or_default().push(subject.clone()),
+            Err(_) => missing.push(subject.clone()),
+        }
+    }
+    if !missing.is_empty() {
+        let mut config = fallback;
+        let covered = missing
+            .iter()
+            .all(|s| config.subjects.iter().any(|p| subject_matches(p, s)));
+        if !covered {
+            config.subjects = missing.clone();
+        }
+        let name = config.name.clone();
+        js.get_or_create_stream(config)
+            .await
+            .map_err(|e| format!("cannot create stream {name}: {e}"))?;
+        by_stream.entry(name).or_default().extend(missing);
+    }
+    Ok(by_stream)
+}
+
+/// Creates (or adopts) every stream the worker needs; returns the input
+/// subjects grouped by the stream that holds them.
+pub async fn ensure_all(
+    js: &Context,
+    input_subjects: &[String],
+) -> Result<BTreeMap<String, Vec<String>>, String> {
+    let outputs = [
+        (
+            vec!["key_change.device".to_owned(), "key_change.cross_signing".to_owned()],
+            key_change_stream_config(),
+        ),
+        (vec!["devicelist.dead.not_json".to_owned()], dead_stream_config()),
+        (vec!["devicelist.fetch.0.x".to_owned()], fetch_stream_config()),
+    ];
+    for (subjects, config) in outputs {
+        ensure_subjects(js, &subjects, config).await?;
+    }
+    ensure_subjects(js, input_subjects, input_stream_config()).await
+}
+
+/// Settings of the input consumer.
+#[derive(Clone, Debug)]
+pub struct InputConsumerSettings {
+    /// Deliveries before a message is dead-lettered.
+    pub max_deliver: i64,
+    /// How long a silent pinned replica keeps the pin.
+    pub pin_timeout: Duration,
+    /// Messages handed out but not yet acked.
+    pub max_ack_pending: i64,
+}
+
+/// Creates (or opens) the durable pinned pull consumer on `stream_name`.
+pub async fn input_consumer(
+    js: &Context,
+    stream_name: &str,
+    subjects: &[String],
+    settings: &InputConsumerSettings,
+) -> Result<jetstream::consumer::Consumer<pull::Config>, String> {
+    let stream = js
+        .get_stream(stream_name)
+        .await
+        .map_err(|e| format!("cannot open stream {stream_name}: {e}"))?;
+    let config = pull::Config {
+        durable_name: Some(INPUT_CONSUMER.into()),
+        description: Some("device-list-updater: device-list and signing-key updates".into()),
+        filter_subjects: subjects.to_vec(),
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: Duration::from_secs(60),
+        max_deliver: settings.max_deliver,
+        max_ack_pending: settings.max_ack_pending,
+        priority_policy: PriorityPolicy::PinnedClient,
+        priority_groups: vec![PIN_GROUP.into()],
+        priority_timeout: settings.pin_timeout,
+        ..Default::default()
+    };
+    stream
+        .get_or_create_consumer(INPUT_CONSUMER, config)
+        .await
+        .map_err(|e| format!("cannot create consumer {INPUT_CONSUMER} on {stream_name}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subject_matches;
+
+    #[test]
+    fn wildcards() {
+        assert!(subject_matches("devicelist.in.>", "devicelist.in.update"));
+        assert!(subject_matches("devicelist.in.>", "devicelist.in.a.b"));
+        assert!(!subject_matches("devicelist.in.>", "devicelist.in"));
+        assert!(subject_matches("a.*.c", "a.b.c"));
+        assert!(!subject_matches("a.*.c", "a.b.d"));
+        assert!(subject_matches("DendriteInputDeviceListUpdate", "DendriteInputDeviceListUpdate"));
+        assert!(!subject_matches("a.b", "a.b.c"));
+    }
+}

@@ -1,0 +1,10 @@
+//! Decide: the pure rules that turn input into writes and events (SPEC §5.1,
+//! §5.4). Nothing here does I/O, so all of it is unit-tested in memory.
+
+pub mod batch;
+pub mod cross_signing;
+pub mod device;
+pub mod known_ids;
+pub mod rules;
+
+pub use batch::{Outcome, Plan, Snapshot, StaleMark, UserState, plan_batch};

@@ -1,0 +1,342 @@
+//! Ingest: the batch loop. Pull a batch → check each message (dead letters
+//! out) → plan and write it in one transaction → enqueue fetch jobs → wake
+//! the outbox publisher → ack. Acks come last, so a crash at any point means
+//! redelivery, and redelivered updates are no-ops (SPEC §5.1.4).
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream::consumer::{PullConsumer, pull};
+use async_nats::jetstream::{AckKind, Context, Message};
+use futures::{FutureExt as _, StreamExt as _};
+use ruma::OwnedServerName;
+use tokio::sync::{Notify, watch};
+
+use crate::bus::dead_letters::{self, DeadLetter};
+use crate::bus::{fetch_jobs, streams};
+use crate::config::InputSubjects;
+use crate::decide::Plan;
+use crate::input::{self, DeadReason, InputMessage, Parsed, Rejection};
+use crate::store::Store;
+use crate::worker::Faults;
+
+/// How long one pull waits for messages; well below the pin timeout.
+const PULL_EXPIRY: Duration = Duration::from_secs(2);
+/// Idle heartbeat of a pull.
+const PULL_HEARTBEAT: Duration = Duration::from_secs(1);
+/// Tries of a whole batch while the database answers before messages are
+/// applied one by one to find the one it refuses.
+const BATCH_TRIES: u32 = 3;
+
+/// The ingest loop of one input stream.
+#[derive(Clone)]
+pub struct Ingest {
+    /// JetStream.
+    pub js: Context,
+    /// The database.
+    pub store: Store,
+    /// Our server: its users are ignored.
+    pub own_server: OwnedServerName,
+    /// Which subject carries which input.
+    pub subjects: InputSubjects,
+    /// Messages per batch.
+    pub batch_size: usize,
+    /// Deliveries before a message is dead-lettered.
+    pub max_deliver: i64,
+    /// Wakes the outbox publisher.
+    pub publisher_wake: Arc<Notify>,
+    /// Fault injection for crash tests.
+    pub faults: Faults,
+}
+
+/// One message of a batch and what the checks made of it.
+struct Item {
+    message: Message,
+    verdict: Result<Parsed, Rejection>,
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+impl Ingest {
+    /// Consumes `consumer` (a pinned pull consumer) until `shutdown` turns true.
+    pub async fn run(self, stream_name: String, consumer: PullConsumer, mut shutdown: watch::Receiver<bool>) {
+        'pull: while !*shutdown.borrow() {
+            let messages = consumer
+                .stream()
+                .max_messages_per_batch(self.batch_size)
+                .expires(PULL_EXPIRY)
+                .heartbeat(PULL_HEARTBEAT)
+                .group(streams::PIN_GROUP)
+                .messages()
+                .await;
+            let mut messages = match messages {
+                Ok(messages) => messages,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot pull input; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            };
+            loop {
+                let next = tokio::select! {
+                    biased;
+                    () = stopped(&mut shutdown) => {
+                        nak_buffered(&mut messages).await;
+                        break 'pull;
+                    }
+                    next = messages.next() => next,
+                };
+                let first = match next {
+                    Some(Ok(message)) => message,
+                    Some(Err(e)) => {
+                        tracing::debug!(error = %e, "input pull stream error; re-pulling");
+                        continue 'pull;
+                    }
+                    None => continue 'pull,
+                };
+                let mut batch = vec![first];
+                while batch.len() < self.batch_size {
+                    match messages.next().now_or_never() {
+                        Some(Some(Ok(message))) => batch.push(message),
+                        _ => break,
+                    }
+                }
+                self.process(batch, &shutdown).await;
+            }
+        }
+        // Hand the pin to a standby replica at once instead of after the timeout.
+        if let Ok(stream) = self.js.get_stream(&stream_name).await {
+            let _ = stream.unpin_consumer(streams::INPUT_CONSUMER, streams::PIN_GROUP).await;
+        }
+    }
+
+    /// Processes one batch; every message is acked or naked when this returns.
+    pub async fn process(&self, batch: Vec<Message>, shutdown: &watch::Receiver<bool>) {
+        let items: Vec<Item> = batch.into_iter().map(|message| self.check(message)).collect();
+        if let Err(e) = self.dead_letter_rejected(&items).await {
+            tracing::warn!(error = %e, "dead letters not stored; batch will be redelivered");
+            nak_all(items.iter().map(|i| &i.message), Some(Duration::from_secs(1))).await;
+            return;
+        }
+        let accepted: Vec<(usize, &InputMessage)> = items
+            .iter()
+            .enumerate()
+            .filter_map(|(i, item)| match &item.verdict {
+                Ok(Parsed::Accept(m)) => Some((i, m)),
+                _ => None,
+            })
+            .collect();
+        let Some(plans) = self.apply(&items, &accepted, shutdown).await else {
+            nak_all(items.iter().map(|i| &i.message), None).await;
+            return;
+        };
+        let servers: std::collections::BTreeSet<OwnedServerName> =
+            plans.iter().flat_map(|p| p.fetch_servers.iter().cloned()).collect();
+        if !servers.is_empty() && !self.enqueue_jobs(&servers, shutdown).await {
+            // Stale marks are committed; a restart rescans them.
+            nak_all(items.iter().map(|i| &i.message), None).await;
+            return;
+        }
+        if plans.iter().any(|p| !p.events.is_empty()) {
+            self.publisher_wake.notify_one();
+        }
+        for item in &items {
+            if let Err(e) = item.message.ack().await {
+                tracing::warn!(error = %e, "ack failed; the message will be redelivered (a no-op)");
+            }
+        }
+    }
+
+    fn check(&self, message: Message) -> Item {
+        let delivered = message.info().map(|i| i.delivered).unwrap_or(1);
+        let verdict = if delivered >= self.max_deliver && self.max_deliver > 1 {
+            Err(Rejection::new(
+                DeadReason::MaxDeliver,
+                format!("delivered {delivered} times without being processed"),
+            ))
+        } else {
+            match self.subjects.kind_of(message.subject.as_str()) {
+                None => Err(Rejection::new(
+                    DeadReason::UnknownSubject,
+                    format!("no input is configured on subject {}", message.subject),
+                )),
+                Some(kind) => {
+                    let origin = message
+                        .headers
+                        .as_ref()
+                        .and_then(|h| h.get("origin"))
+                        .map(|v| v.as_str());
+                    input::parse(kind, &message.payload, origin, &self.own_server)
+                }
+            }
+        };
+        if let Ok(Parsed::Accept(InputMessage::SigningKey(keys))) = &verdict
+            && !keys.dropped.is_empty()
+        {
+            tracing::warn!(user_id = %keys.user_id, dropped = ?keys.dropped, "ignored malformed cross-signing keys");
+        }
+        Item { message, verdict }
+    }
+
+    async fn dead_letter_rejected(&self, items: &[Item]) -> Result<(), String> {
+        let mut acks = Vec::new();
+        for item in items {
+            if let Err(rejection) = &item.verdict {
+                acks.push(self.dead_letter(&item.message, rejection).await?);
+            }
+        }
+        for ack in acks {
+            ack.await.map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    async fn dead_letter(
+        &self,
+        message: &Message,
+        rejection: &Rejection,
+    ) -> Result<async_nats::jetstream::context::PublishAckFuture, String> {
+        tracing::info!(reason = %rejection.reason, error = %rejection.error, subject = %message.subject, "dead letter");
+        let origin_id = message
+            .info()
+            .map(|i| format!("{}:{}", i.stream, i.stream_sequence))
+            .unwrap_or_else(|_| uuid::Uuid::new_v4().to_string());
+        dead_letters::publish(
+            &self.js,
+            DeadLetter {
+                reason: rejection.reason,
+                error: &rejection.error,
+                source_subject: message.subject.as_str(),
+                headers: message.headers.as_ref(),
+                body: message.payload.clone(),
+                origin_id,
+            },
+        )
+        .await
+    }
+
+    /// Writes the accepted messages: as one transaction normally; while the
+    /// database is down, waits (keeping the messages with progress acks);
+    /// when the database answers but refuses the batch, applies messages one
+    /// by one and dead-letters the ones it refuses. None: shutting down.
+    async fn apply(
+        &self,
+        items: &[Item],
+        accepted: &[(usize, &InputMessage)],
+        shutdown: &watch::Receiver<bool>,
+    ) -> Option<Vec<Plan>> {
+        let messages: Vec<InputMessage> = accepted.iter().map(|(_, m)| (*m).clone()).collect();
+        if messages.is_empty() {
+            return Some(Vec::new());
+        }
+        let mut refused = 0;
+        let mut wait = Duration::from_millis(100);
+        loop {
+            match self.store.apply_batch(&messages, now_ms()).await {
+                Ok(plan) => {
+                    self.crash_point();
+                    return Some(vec![plan]);
+                }
+                Err(e) if self.store.ping().await => {
+                    refused += 1;
+                    tracing::warn!(error = %e, tries = refused, "database refused the batch");
+                    if refused >= BATCH_TRIES {
+                        return self.apply_one_by_one(items, accepted).await;
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "database unavailable; holding the batch"),
+            }
+            if *shutdown.borrow() {
+                return None;
+            }
+            for item in items {
+                let _ = item.message.ack_with(AckKind::Progress).await;
+            }
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    async fn apply_one_by_one(&self, items: &[Item], accepted: &[(usize, &InputMessage)]) -> Option<Vec<Plan>> {
+        let mut plans = Vec::new();
+        for &(index, message) in accepted {
+            let mut last_error = String::new();
+            let mut applied = false;
+            for _ in 0..BATCH_TRIES {
+                match self.store.apply_batch(std::slice::from_ref(message), now_ms()).await {
+                    Ok(plan) => {
+                        self.crash_point();
+                        plans.push(plan);
+                        applied = true;
+                        break;
+                    }
+                    Err(e) => last_error = e.to_string(),
+                }
+            }
+            if !applied {
+                if !self.store.ping().await {
+                    return None;
+                }
+                let rejection = Rejection::new(
+                    DeadReason::Unprocessable,
+                    format!("the database refused it: {last_error}"),
+                );
+                let stored = match self.dead_letter(&items[index].message, &rejection).await {
+                    Ok(ack) => ack.await.is_ok(),
+                    Err(_) => false,
+                };
+                if !stored {
+                    return None;
+                }
+            }
+        }
+        Some(plans)
+    }
+
+    async fn enqueue_jobs(
+        &self,
+        servers: &std::collections::BTreeSet<OwnedServerName>,
+        shutdown: &watch::Receiver<bool>,
+    ) -> bool {
+        loop {
+            match fetch_jobs::enqueue(&self.js, servers).await {
+                Ok(()) => return true,
+                Err(e) => tracing::warn!(error = %e, "fetch jobs not enqueued; retrying"),
+            }
+            if *shutdown.borrow() {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    fn crash_point(&self) {
+        if self.faults.crash_after_commit {
+            tracing::error!("fault injection: crashing after commit, before publish and ack");
+            std::process::abort();
+        }
+    }
+}
+
+/// Resolves once shutdown is requested (without holding the watch guard).
+async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
+async fn nak_all<'a>(messages: impl Iterator<Item = &'a Message>, delay: Option<Duration>) {
+    for message in messages {
+        let _ = message.ack_with(AckKind::Nak(delay)).await;
+    }
+}
+
+/// Naks what the pull stream already holds, so another replica gets it at once.
+async fn nak_buffered(messages: &mut pull::Stream) {
+    while let Some(Some(Ok(message))) = messages.next().now_or_never() {
+        let _ = message.ack_with(AckKind::Nak(None)).await;
+    }
+}

@@ -1,0 +1,156 @@
+//! Input: turning raw JetStream messages into checked values (SPEC §4.1, §5.1.1).
+//!
+//! Parse, don't validate: everything past this module holds an [`InputMessage`]
+//! whose user id, stream ids and fields are known to be well formed, or the
+//! message became a [`Rejection`] bound for the dead-letter stream.
+
+pub mod dead_letter;
+mod fields;
+pub mod resync;
+pub mod signing_key;
+pub mod update;
+
+use ruma::{ServerName, UserId};
+use serde::Deserialize;
+
+pub use dead_letter::{DeadReason, Rejection};
+pub use resync::ResyncRequest;
+pub use signing_key::SigningKeyUpdate;
+pub use update::DeviceListUpdate;
+
+/// Largest accepted message body, in bytes (an EDU is capped at 64 KiB by most servers).
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// Which input a message came from, decided by its subject.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputKind {
+    /// `devicelist.in.update`
+    Update,
+    /// `devicelist.in.signing_key`
+    SigningKey,
+    /// `devicelist.in.resync`
+    Resync,
+}
+
+/// A checked input message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum InputMessage {
+    /// A device-list update.
+    Update(DeviceListUpdate),
+    /// A cross-signing key update.
+    SigningKey(SigningKeyUpdate),
+    /// A request to refetch a user's list.
+    Resync(ResyncRequest),
+}
+
+impl InputMessage {
+    /// The user the message is about.
+    pub fn user_id(&self) -> &UserId {
+        match self {
+            InputMessage::Update(u) => &u.user_id,
+            InputMessage::SigningKey(s) => &s.user_id,
+            InputMessage::Resync(r) => &r.user_id,
+        }
+    }
+}
+
+/// What to do with a message that is well formed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Parsed {
+    /// Process it.
+    Accept(InputMessage),
+    /// Ack and ignore it: it is about one of our own users.
+    OwnUser,
+}
+
+/// Checks one message: size, JSON shape, fields, and the `origin` rule.
+pub fn parse(
+    kind: InputKind,
+    body: &[u8],
+    origin: Option<&str>,
+    own_server: &ServerName,
+) -> Result<Parsed, Rejection> {
+    if body.len() > MAX_BODY_BYTES {
+        return Err(Rejection::new(
+            DeadReason::Oversized,
+            format!("body has {} bytes, more than {MAX_BODY_BYTES}", body.len()),
+        ));
+    }
+    let message = match kind {
+        InputKind::Update => InputMessage::Update(DeviceListUpdate::parse(body)?),
+        InputKind::SigningKey => InputMessage::SigningKey(SigningKeyUpdate::parse(body)?),
+        InputKind::Resync => InputMessage::Resync(ResyncRequest::parse(body)?),
+    };
+    let user_server = message.user_id().server_name();
+    if let Some(origin) = origin
+        && origin != user_server.as_str()
+    {
+        return Err(Rejection::new(
+            DeadReason::OriginMismatch,
+            format!("origin {origin:?} is not the server of {}", message.user_id()),
+        ));
+    }
+    if user_server == own_server {
+        return Ok(Parsed::OwnUser);
+    }
+    Ok(Parsed::Accept(message))
+}
+
+/// Deserializes a body, telling "not JSON" apart from "JSON of the wrong shape".
+fn from_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, Rejection> {
+    serde_json::from_slice(body).map_err(|e| {
+        let reason = match e.classify() {
+            serde_json::error::Category::Data => DeadReason::InvalidShape,
+            _ => DeadReason::NotJson,
+        };
+        Rejection::new(reason, e.to_string())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn own() -> &'static ServerName {
+        <&ServerName>::try_from("our.example").unwrap()
+    }
+
+    const UPDATE: &str = r#"{"user_id":"@a:remote.example","device_id":"D","stream_id":1}"#;
+
+    #[test]
+    fn origin_must_be_the_users_server() {
+        let err = parse(InputKind::Update, UPDATE.as_bytes(), Some("evil.example"), own())
+            .unwrap_err();
+        assert_eq!(err.reason, DeadReason::OriginMismatch);
+        assert!(matches!(
+            parse(InputKind::Update, UPDATE.as_bytes(), Some("remote.example"), own()),
+            Ok(Parsed::Accept(_))
+        ));
+        assert!(matches!(
+            parse(InputKind::Update, UPDATE.as_bytes(), None, own()),
+            Ok(Parsed::Accept(_))
+        ));
+    }
+
+    #[test]
+    fn own_users_are_ignored() {
+        let body = r#"{"user_id":"@me:our.example","device_id":"D","stream_id":1}"#;
+        assert_eq!(
+            parse(InputKind::Update, body.as_bytes(), None, own()),
+            Ok(Parsed::OwnUser)
+        );
+        assert_eq!(
+            parse(InputKind::Resync, br#"{"user_id":"@me:our.example"}"#, None, own()),
+            Ok(Parsed::OwnUser)
+        );
+    }
+
+    #[test]
+    fn oversized_bodies_are_refused_before_parsing() {
+        let body = vec![b' '; MAX_BODY_BYTES + 1];
+        assert_eq!(
+            parse(InputKind::Update, &body, None, own()).unwrap_err().reason,
+            DeadReason::Oversized
+        );
+    }
+}

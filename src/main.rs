@@ -1,0 +1,127 @@
+//! `device-list-updater`: the command line.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use device_list_updater::config::{SettingsArgs, Sources};
+use device_list_updater::signing_key::SigningKey;
+use device_list_updater::worker::{self, Faults};
+
+/// Keeps a Matrix homeserver's copy of remote users' device lists up to date.
+#[derive(Parser)]
+#[command(name = "device-list-updater", version)]
+struct Cli {
+    /// TOML configuration file (overridden by DLU_* variables, overridden by flags).
+    #[arg(long, global = true, env = "DLU_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the worker until SIGTERM or SIGINT.
+    Run {
+        #[command(flatten)]
+        settings: SettingsArgs,
+    },
+    /// Apply database migrations and exit.
+    Migrate {
+        #[command(flatten)]
+        settings: SettingsArgs,
+    },
+    /// Write a new signing key file and print its key id.
+    GenerateKey {
+        /// Where to write the key (must not exist).
+        path: PathBuf,
+    },
+}
+
+/// How long `run` may take to stop after a signal.
+const STOP_GRACE: Duration = Duration::from_secs(9);
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => return fail(1, &format!("cannot start the runtime: {e}")),
+    };
+    runtime.block_on(async move {
+        match cli.command {
+            Command::GenerateKey { path } => generate_key(&path),
+            Command::Migrate { settings } => migrate(&settings, cli.config.as_deref()).await,
+            Command::Run { settings } => run(&settings, cli.config.as_deref()).await,
+        }
+    })
+}
+
+/// Prints one line on stderr and returns `code`.
+fn fail(code: u8, line: &str) -> ExitCode {
+    eprintln!("device-list-updater: {line}");
+    ExitCode::from(code)
+}
+
+fn generate_key(path: &std::path::Path) -> ExitCode {
+    let written = SigningKey::generate().and_then(|key| key.write_new(path).map(|()| key));
+    match written {
+        Ok(key) => {
+            println!("{}", key.key_id());
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(1, &e.to_string()),
+    }
+}
+
+async fn migrate(settings: &SettingsArgs, config: Option<&std::path::Path>) -> ExitCode {
+    let sources = match Sources::load(settings, config) {
+        Ok(sources) => sources,
+        Err(e) => return fail(2, &e.to_string()),
+    };
+    match worker::open_store(&sources.database_url(), Duration::from_secs(30)).await {
+        Ok(_) => {
+            tracing::info!("migrations applied");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(2, &e.to_string()),
+    }
+}
+
+async fn run(settings: &SettingsArgs, config: Option<&std::path::Path>) -> ExitCode {
+    let config = match Sources::load(settings, config).and_then(|s| s.run_config()) {
+        Ok(config) => config,
+        Err(e) => return fail(2, &format!("configuration: {e}")),
+    };
+    let running = match worker::start(config, Faults::from_env()).await {
+        Ok(running) => running,
+        Err(e) => return fail(2, &e.to_string()),
+    };
+    wait_for_signal().await;
+    tracing::info!("signal received; draining");
+    running.stop(STOP_GRACE).await;
+    tracing::info!("stopped");
+    ExitCode::SUCCESS
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}

@@ -1,0 +1,136 @@
+//! Store: sea-orm access to the database (SQLite or PostgreSQL).
+//!
+//! [`Store::apply_batch`] is the heart of ingest: in one transaction it locks
+//! the batch's users, loads their state, runs the pure planner and writes the
+//! plan together with its key-change events (the outbox).
+
+mod load;
+pub mod outbox;
+mod write;
+
+use std::time::Duration;
+
+use sea_orm::{
+    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr,
+    EntityTrait, SqliteTransactionMode, TransactionOptions, TransactionTrait,
+};
+use migration::MigratorTrait;
+
+use crate::decide::{Plan, plan_batch};
+use crate::input::InputMessage;
+
+/// How long a SQLite writer waits for another writer before failing.
+const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Handle to the database.
+#[derive(Clone, Debug)]
+pub struct Store {
+    db: DatabaseConnection,
+}
+
+impl Store {
+    /// Connects to `url` (`sqlite://…` or `postgres://…`) once.
+    pub async fn connect(url: &str) -> Result<Store, DbErr> {
+        let mut options = ConnectOptions::new(url.to_owned());
+        options
+            .sqlx_logging(false)
+            .connect_timeout(Duration::from_secs(5))
+            .acquire_timeout(Duration::from_secs(30));
+        if url.starts_with("sqlite:") {
+            // One writer at a time anyway; WAL lets readers (readyz, RPC) in.
+            options.max_connections(1).map_sqlx_sqlite_opts(|o| {
+                o.journal_mode(sea_orm::sqlx::sqlite::SqliteJournalMode::Wal)
+                    .synchronous(sea_orm::sqlx::sqlite::SqliteSynchronous::Normal)
+                    .busy_timeout(SQLITE_BUSY_TIMEOUT)
+            });
+        } else {
+            options.max_connections(8);
+        }
+        Ok(Store {
+            db: Database::connect(options).await?,
+        })
+    }
+
+    /// Applies pending migrations.
+    pub async fn migrate(&self) -> Result<(), DbErr> {
+        migration::Migrator::up(&self.db, None).await
+    }
+
+    /// The underlying connection (for tests and admin commands).
+    pub fn connection(&self) -> &DatabaseConnection {
+        &self.db
+    }
+
+    /// Whether the database answers.
+    pub async fn ping(&self) -> bool {
+        self.db.ping().await.is_ok()
+    }
+
+    /// Plans and writes one batch in a single transaction; returns the plan
+    /// (its events are already in the outbox when this returns).
+    pub async fn apply_batch(&self, messages: &[InputMessage], now_ms: i64) -> Result<Plan, DbErr> {
+        let txn = self
+            .db
+            .begin_with_options(TransactionOptions {
+                // Take SQLite's write lock up front, so two writers never
+                // deadlock upgrading a read lock.
+                sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+                ..Default::default()
+            })
+            .await?;
+        let mut users: Vec<&str> = messages.iter().map(|m| m.user_id().as_str()).collect();
+        users.sort_unstable();
+        users.dedup();
+        lock_users(&txn, &users).await?;
+        let snapshot = load::snapshot(&txn, messages, &users).await?;
+        let plan = plan_batch(snapshot, messages, now_ms);
+        write::plan(&txn, &plan, now_ms).await?;
+        txn.commit().await?;
+        Ok(plan)
+    }
+
+    /// A random id created once per database: it prefixes every `Nats-Msg-Id`
+    /// so ids stay unique even if the database is recreated.
+    pub async fn instance_id(&self) -> Result<String, DbErr> {
+        use entity::service_meta;
+        use sea_orm::{ActiveValue::Set, sea_query::OnConflict};
+        const NAME: &str = "instance_id";
+        service_meta::Entity::insert(service_meta::ActiveModel {
+            name: Set(NAME.to_owned()),
+            value: Set(uuid::Uuid::new_v4().simple().to_string()),
+        })
+        .on_conflict(OnConflict::column(service_meta::Column::Name).do_nothing().to_owned())
+        .exec_without_returning(&self.db)
+        .await?;
+        service_meta::Entity::find_by_id(NAME.to_owned())
+            .one(&self.db)
+            .await?
+            .map(|m| m.value)
+            .ok_or_else(|| DbErr::RecordNotFound("service_meta instance_id".into()))
+    }
+}
+
+/// Serialises writers per user across replicas (SPEC §5.1.2). On PostgreSQL:
+/// transaction-scoped advisory locks, taken in hash order so two batches never
+/// deadlock. SQLite's IMMEDIATE transaction already excludes every other writer.
+async fn lock_users<C: ConnectionTrait>(txn: &C, users: &[&str]) -> Result<(), DbErr> {
+    if txn.get_database_backend() != DbBackend::Postgres || users.is_empty() {
+        return Ok(());
+    }
+    for chunk in users.chunks(1000) {
+        let placeholders: Vec<String> = (1..=chunk.len()).map(|i| format!("(${i})")).collect();
+        let sql = format!(
+            "SELECT count(pg_advisory_xact_lock(h)) AS n FROM \
+             (SELECT DISTINCT hashtext(u) AS h FROM (VALUES {}) AS v(u) ORDER BY 1) AS s",
+            placeholders.join(",")
+        );
+        let values = chunk.iter().map(|u| sea_orm::Value::from(u.to_string()));
+        txn.query_one_raw(sea_orm::Statement::from_sql_and_values(
+            DbBackend::Postgres,
+            sql,
+            values,
+        ))
+        .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,125 @@
+//! Writing a [`Plan`]: upserts of the dirty rows and the outbox inserts.
+
+use entity::{cross_signing_key, key_change_outbox, remote_device, remote_user, stale_user};
+use sea_orm::{ActiveValue::NotSet, ActiveValue::Set, ConnectionTrait, DbErr, EntityTrait};
+use sea_orm::sea_query::OnConflict;
+
+use crate::decide::Plan;
+
+/// Rows per multi-row INSERT (PostgreSQL allows 65 535 parameters).
+const CHUNK: usize = 1000;
+
+/// Writes every dirty row of `plan` and its events.
+pub(super) async fn plan<C: ConnectionTrait>(db: &C, plan: &Plan, now_ms: i64) -> Result<(), DbErr> {
+    let users: Vec<_> = plan
+        .users
+        .iter()
+        .map(|(user, state)| remote_user::ActiveModel {
+            user_id: Set(user.to_string()),
+            server_name: Set(user.server_name().to_string()),
+            known_stream_ids: Set(state.known.to_json()),
+            max_stream_id: Set(state.max_stream_id),
+        })
+        .collect();
+    for chunk in users.chunks(CHUNK) {
+        remote_user::Entity::insert_many(chunk.to_vec())
+            .on_conflict(
+                OnConflict::column(remote_user::Column::UserId)
+                    .update_columns([
+                        remote_user::Column::KnownStreamIds,
+                        remote_user::Column::MaxStreamId,
+                    ])
+                    .to_owned(),
+            )
+            .exec_without_returning(db)
+            .await?;
+    }
+
+    let devices: Vec<_> = plan
+        .devices
+        .iter()
+        .map(|((user, device), row)| remote_device::ActiveModel {
+            user_id: Set(user.to_string()),
+            device_id: Set(device.to_string()),
+            display_name: Set(row.display_name.clone()),
+            keys_json: Set(row.keys.clone()),
+            stream_id: Set(row.stream_id),
+            deleted: Set(row.deleted),
+        })
+        .collect();
+    for chunk in devices.chunks(CHUNK) {
+        remote_device::Entity::insert_many(chunk.to_vec())
+            .on_conflict(
+                OnConflict::columns([remote_device::Column::UserId, remote_device::Column::DeviceId])
+                    .update_columns([
+                        remote_device::Column::DisplayName,
+                        remote_device::Column::KeysJson,
+                        remote_device::Column::StreamId,
+                        remote_device::Column::Deleted,
+                    ])
+                    .to_owned(),
+            )
+            .exec_without_returning(db)
+            .await?;
+    }
+
+    let stale: Vec<_> = plan
+        .stale
+        .iter()
+        .map(|(user, mark)| stale_user::ActiveModel {
+            user_id: Set(user.to_string()),
+            server_name: Set(user.server_name().to_string()),
+            marked_at_ms: Set(mark.marked_at_ms),
+            trigger_stream_ids: Set(serde_json::to_string(&mark.trigger_ids).unwrap_or_default()),
+        })
+        .collect();
+    for chunk in stale.chunks(CHUNK) {
+        stale_user::Entity::insert_many(chunk.to_vec())
+            .on_conflict(
+                OnConflict::column(stale_user::Column::UserId)
+                    .update_column(stale_user::Column::TriggerStreamIds)
+                    .to_owned(),
+            )
+            .exec_without_returning(db)
+            .await?;
+    }
+
+    let keys: Vec<_> = plan
+        .cross_signing
+        .iter()
+        .map(|((user, usage), json)| cross_signing_key::ActiveModel {
+            user_id: Set(user.to_string()),
+            key_usage: Set(usage.as_str().to_owned()),
+            key_json: Set(json.clone()),
+        })
+        .collect();
+    cross_signing_key::Entity::insert_many(keys)
+        .on_conflict(
+            OnConflict::columns([
+                cross_signing_key::Column::UserId,
+                cross_signing_key::Column::KeyUsage,
+            ])
+            .update_column(cross_signing_key::Column::KeyJson)
+            .to_owned(),
+        )
+        .exec_without_returning(db)
+        .await?;
+
+    let events: Vec<_> = plan
+        .events
+        .iter()
+        .map(|event| key_change_outbox::ActiveModel {
+            id: NotSet,
+            user_id: Set(event.user_id().to_string()),
+            subject: Set(event.subject().to_owned()),
+            payload: Set(event.to_json()),
+            created_at_ms: Set(now_ms),
+        })
+        .collect();
+    for chunk in events.chunks(CHUNK) {
+        key_change_outbox::Entity::insert_many(chunk.to_vec())
+            .exec_without_returning(db)
+            .await?;
+    }
+    Ok(())
+}
