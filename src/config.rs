@@ -97,10 +97,13 @@ pub struct SettingsArgs {
     /// Deliveries of one input message before it is dead-lettered.
     #[arg(long, env = "DLU_MAX_DELIVER")]
     pub max_deliver: Option<String>,
+    /// How long an unacked input message waits before redelivery (crashed replicas).
+    #[arg(long, env = "DLU_ACK_WAIT")]
+    pub ack_wait: Option<String>,
 }
 
 impl SettingsArgs {
-    fn pairs(&self) -> [(&'static str, &Option<String>); 18] {
+    fn pairs(&self) -> [(&'static str, &Option<String>); 19] {
         [
             ("server_name", &self.server_name),
             ("signing_key_path", &self.signing_key_path),
@@ -120,6 +123,7 @@ impl SettingsArgs {
             ("startup_timeout", &self.startup_timeout),
             ("pin_timeout", &self.pin_timeout),
             ("max_deliver", &self.max_deliver),
+            ("ack_wait", &self.ack_wait),
         ]
     }
 }
@@ -200,6 +204,8 @@ pub struct Config {
     pub pin_timeout: Duration,
     /// Deliveries before dead-lettering.
     pub max_deliver: i64,
+    /// Redelivery wait of unacked input.
+    pub ack_wait: Duration,
 }
 
 /// The default database: a SQLite file in the working directory.
@@ -336,6 +342,7 @@ impl Sources {
             startup_timeout: self.duration("startup_timeout", Duration::from_secs(30))?,
             pin_timeout: self.duration("pin_timeout", Duration::from_secs(10))?,
             max_deliver,
+            ack_wait: self.duration("ack_wait", Duration::from_secs(60))?,
         })
     }
 }

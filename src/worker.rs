@@ -113,6 +113,7 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         max_deliver: config.max_deliver,
         pin_timeout: config.pin_timeout,
         max_ack_pending: (config.batch_size * 4).max(1000) as i64,
+        ack_wait: config.ack_wait,
     };
     let mut consumers = Vec::new();
     for (stream, subjects) in &inputs {

