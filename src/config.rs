@@ -91,9 +91,9 @@ pub struct SettingsArgs {
     /// How long to wait for NATS and the database at start-up.
     #[arg(long, env = "DLU_STARTUP_TIMEOUT")]
     pub startup_timeout: Option<String>,
-    /// How long a silent replica keeps the input pin before another takes over.
-    #[arg(long, env = "DLU_PIN_TIMEOUT")]
-    pub pin_timeout: Option<String>,
+    /// How long a crashed replica keeps the input lease before another takes over.
+    #[arg(long, env = "DLU_LEASE_TTL")]
+    pub lease_ttl: Option<String>,
     /// Deliveries of one input message before it is dead-lettered.
     #[arg(long, env = "DLU_MAX_DELIVER")]
     pub max_deliver: Option<String>,
@@ -121,7 +121,7 @@ impl SettingsArgs {
             ("input_resync_subject", &self.input_resync_subject),
             ("batch_size", &self.batch_size),
             ("startup_timeout", &self.startup_timeout),
-            ("pin_timeout", &self.pin_timeout),
+            ("lease_ttl", &self.lease_ttl),
             ("max_deliver", &self.max_deliver),
             ("ack_wait", &self.ack_wait),
         ]
@@ -165,7 +165,11 @@ impl InputSubjects {
 
     /// All three subjects.
     pub fn all(&self) -> Vec<String> {
-        vec![self.update.clone(), self.signing_key.clone(), self.resync.clone()]
+        vec![
+            self.update.clone(),
+            self.signing_key.clone(),
+            self.resync.clone(),
+        ]
     }
 }
 
@@ -200,8 +204,8 @@ pub struct Config {
     pub batch_size: usize,
     /// Start-up wait for NATS and the database.
     pub startup_timeout: Duration,
-    /// Input pin timeout.
-    pub pin_timeout: Duration,
+    /// Input lease length.
+    pub lease_ttl: Duration,
     /// Deliveries before dead-lettering.
     pub max_deliver: i64,
     /// Redelivery wait of unacked input.
@@ -227,7 +231,9 @@ impl Sources {
                 why,
             };
             let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
-            let table: toml::Table = text.parse().map_err(|e: toml::de::Error| file_error(e.to_string()))?;
+            let table: toml::Table = text
+                .parse()
+                .map_err(|e: toml::de::Error| file_error(e.to_string()))?;
             let known: Vec<&'static str> = args.pairs().iter().map(|(k, _)| *k).collect();
             for (key, value) in table {
                 let Some(&name) = known.iter().find(|k| **k == key) else {
@@ -250,7 +256,10 @@ impl Sources {
     }
 
     fn get(&self, key: &'static str) -> Option<&str> {
-        self.values.get(key).map(String::as_str).filter(|v| !v.trim().is_empty())
+        self.values
+            .get(key)
+            .map(String::as_str)
+            .filter(|v| !v.trim().is_empty())
     }
 
     fn parse<T>(
@@ -269,7 +278,9 @@ impl Sources {
     }
 
     fn duration(&self, key: &'static str, default: Duration) -> Result<Duration, ConfigError> {
-        self.parse(key, default, |s| humantime::parse_duration(s).map_err(|e| e.to_string()))
+        self.parse(key, default, |s| {
+            humantime::parse_duration(s).map_err(|e| e.to_string())
+        })
     }
 
     fn number<T: std::str::FromStr>(&self, key: &'static str, default: T) -> Result<T, ConfigError>
@@ -281,7 +292,9 @@ impl Sources {
 
     /// The database URL (all `migrate` needs).
     pub fn database_url(&self) -> String {
-        self.get("database_url").unwrap_or(DEFAULT_DATABASE_URL).to_owned()
+        self.get("database_url")
+            .unwrap_or(DEFAULT_DATABASE_URL)
+            .to_owned()
     }
 
     /// Resolves everything `run` needs, reading the signing key.
@@ -312,7 +325,12 @@ impl Sources {
         let max_deliver: i64 = self.number("max_deliver", 10)?;
         if batch_size == 0 || max_deliver < 1 {
             return Err(ConfigError::Invalid {
-                key: if batch_size == 0 { "batch_size" } else { "max_deliver" }.into(),
+                key: if batch_size == 0 {
+                    "batch_size"
+                } else {
+                    "max_deliver"
+                }
+                .into(),
                 why: "must be at least 1".into(),
             });
         }
@@ -320,27 +338,41 @@ impl Sources {
             server_name,
             signing_key,
             database_url: self.database_url(),
-            nats_url: self.get("nats_url").unwrap_or("nats://127.0.0.1:4222").to_owned(),
+            nats_url: self
+                .get("nats_url")
+                .unwrap_or("nats://127.0.0.1:4222")
+                .to_owned(),
             http_addr: self.parse("http_addr", SocketAddr::from(([127, 0, 0, 1], 9464)), |s| {
-                s.parse().map_err(|e: std::net::AddrParseError| e.to_string())
+                s.parse()
+                    .map_err(|e: std::net::AddrParseError| e.to_string())
             })?,
-            federation_overrides: self.parse("federation_overrides", BTreeMap::new(), parse_overrides)?,
+            federation_overrides: self.parse(
+                "federation_overrides",
+                BTreeMap::new(),
+                parse_overrides,
+            )?,
             federation_timeout: self.duration("federation_timeout", Duration::from_secs(30))?,
             retry_min,
             retry_max,
             startup_spread: self.duration("startup_spread", Duration::from_secs(120))?,
             max_devices: self.number("max_devices", 1000)?,
             input: InputSubjects {
-                update: self.get("input_update_subject").unwrap_or(&defaults.update).to_owned(),
+                update: self
+                    .get("input_update_subject")
+                    .unwrap_or(&defaults.update)
+                    .to_owned(),
                 signing_key: self
                     .get("input_signing_key_subject")
                     .unwrap_or(&defaults.signing_key)
                     .to_owned(),
-                resync: self.get("input_resync_subject").unwrap_or(&defaults.resync).to_owned(),
+                resync: self
+                    .get("input_resync_subject")
+                    .unwrap_or(&defaults.resync)
+                    .to_owned(),
             },
             batch_size,
             startup_timeout: self.duration("startup_timeout", Duration::from_secs(30))?,
-            pin_timeout: self.duration("pin_timeout", Duration::from_secs(10))?,
+            lease_ttl: self.duration("lease_ttl", Duration::from_secs(10))?,
             max_deliver,
             ack_wait: self.duration("ack_wait", Duration::from_secs(60))?,
         })
@@ -356,8 +388,8 @@ fn parse_overrides(raw: &str) -> Result<BTreeMap<OwnedServerName, String>, Strin
             let (server, url) = entry
                 .split_once('=')
                 .ok_or_else(|| format!("{entry:?} is not server=base_url"))?;
-            let server = OwnedServerName::try_from(server.trim())
-                .map_err(|e| format!("{server:?}: {e}"))?;
+            let server =
+                OwnedServerName::try_from(server.trim()).map_err(|e| format!("{server:?}: {e}"))?;
             let url = url.trim();
             if !(url.starts_with("http://") || url.starts_with("https://")) {
                 return Err(format!("{url:?} is not an http(s) URL"));
@@ -393,7 +425,10 @@ mod tests {
             server_name: Some("flag.example".into()),
             ..Default::default()
         };
-        let config = Sources::load(&args, Some(&file)).unwrap().run_config().unwrap();
+        let config = Sources::load(&args, Some(&file))
+            .unwrap()
+            .run_config()
+            .unwrap();
         assert_eq!(config.server_name.as_str(), "flag.example");
         assert_eq!(config.retry_min, Duration::from_secs(5));
         assert_eq!(config.max_devices, 7);
@@ -406,30 +441,47 @@ mod tests {
     fn bad_settings_say_which() {
         let dir = tempfile::tempdir().unwrap();
         let key = key_file(dir.path());
-        let missing = Sources::load(&SettingsArgs::default(), None).unwrap().run_config();
-        assert!(missing.unwrap_err().to_string().contains("server_name is required"));
+        let missing = Sources::load(&SettingsArgs::default(), None)
+            .unwrap()
+            .run_config();
+        assert!(
+            missing
+                .unwrap_err()
+                .to_string()
+                .contains("server_name is required")
+        );
         let args = SettingsArgs {
             server_name: Some("a.example".into()),
             signing_key_path: Some(key),
             retry_min: Some("soon".into()),
             ..Default::default()
         };
-        let err = Sources::load(&args, None).unwrap().run_config().unwrap_err();
+        let err = Sources::load(&args, None)
+            .unwrap()
+            .run_config()
+            .unwrap_err();
         assert!(err.to_string().starts_with("retry_min"), "{err}");
         let args = SettingsArgs {
             server_name: Some("a.example".into()),
             signing_key_path: Some("/nonexistent/key".into()),
             ..Default::default()
         };
-        let err = Sources::load(&args, None).unwrap().run_config().unwrap_err();
+        let err = Sources::load(&args, None)
+            .unwrap()
+            .run_config()
+            .unwrap_err();
         assert!(err.to_string().starts_with("signing key"), "{err}");
     }
 
     #[test]
     fn overrides_parse() {
-        let map = parse_overrides("a.example=http://127.0.0.1:8001/, b.example:8448=https://b").unwrap();
+        let map =
+            parse_overrides("a.example=http://127.0.0.1:8001/, b.example:8448=https://b").unwrap();
         assert_eq!(map.len(), 2);
-        assert_eq!(map[<&ruma::ServerName>::try_from("a.example").unwrap()], "http://127.0.0.1:8001");
+        assert_eq!(
+            map[<&ruma::ServerName>::try_from("a.example").unwrap()],
+            "http://127.0.0.1:8001"
+        );
         assert!(parse_overrides("nonsense").is_err());
         assert!(parse_overrides("a.example=ftp://x").is_err());
     }

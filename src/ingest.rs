@@ -6,24 +6,23 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use async_nats::jetstream::consumer::{PullConsumer, pull};
+use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Context, Message};
 use futures::{FutureExt as _, StreamExt as _};
 use ruma::OwnedServerName;
 use tokio::sync::{Notify, watch};
 
 use crate::bus::dead_letters::{self, DeadLetter};
-use crate::bus::{fetch_jobs, streams};
+use crate::bus::fetch_jobs;
+use crate::bus::lease::Lease;
 use crate::config::InputSubjects;
 use crate::decide::Plan;
 use crate::input::{self, DeadReason, InputMessage, Parsed, Rejection};
 use crate::store::Store;
 use crate::worker::Faults;
 
-/// How long one pull waits for messages; well below the pin timeout.
-const PULL_EXPIRY: Duration = Duration::from_secs(2);
-/// Idle heartbeat of a pull.
-const PULL_HEARTBEAT: Duration = Duration::from_secs(1);
+/// How long one pull waits for messages (also the longest a clean stop waits).
+const PULL_EXPIRY: Duration = Duration::from_secs(1);
 /// Tries of a whole batch while the database answers before messages are
 /// applied one by one to find the one it refuses.
 const BATCH_TRIES: u32 = 3;
@@ -47,6 +46,12 @@ pub struct Ingest {
     pub publisher_wake: Arc<Notify>,
     /// Fault injection for crash tests.
     pub faults: Faults,
+    /// The lease bucket: one replica consumes a stream at a time.
+    pub leases: async_nats::jetstream::kv::Store,
+    /// Lease length.
+    pub lease_ttl: Duration,
+    /// The input consumer's ack wait.
+    pub ack_wait: Duration,
 }
 
 /// One message of a batch and what the checks made of it.
@@ -63,64 +68,99 @@ fn now_ms() -> i64 {
 }
 
 impl Ingest {
-    /// Consumes `consumer` (a pinned pull consumer) until `shutdown` turns true.
-    pub async fn run(self, stream_name: String, consumer: PullConsumer, mut shutdown: watch::Receiver<bool>) {
-        'pull: while !*shutdown.borrow() {
-            let messages = consumer
-                .stream()
-                .max_messages_per_batch(self.batch_size)
-                .expires(PULL_EXPIRY)
-                .heartbeat(PULL_HEARTBEAT)
-                .group(streams::PIN_GROUP)
-                .messages()
-                .await;
-            let mut messages = match messages {
-                Ok(messages) => messages,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot pull input; retrying");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    continue;
+    /// Consumes `consumer` while this replica holds the stream's lease, until
+    /// `shutdown` turns true.
+    pub async fn run(
+        self,
+        stream_name: String,
+        consumer: PullConsumer,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        let key = format!("input.{stream_name}");
+        let holder = uuid::Uuid::new_v4().to_string();
+        while !*shutdown.borrow() {
+            let Some(lease) = Lease::try_acquire(&self.leases, &key, &holder, self.lease_ttl).await
+            else {
+                tokio::select! {
+                    () = tokio::time::sleep(self.lease_ttl / 4) => {}
+                    () = stopped(&mut shutdown) => {}
                 }
+                continue;
             };
-            loop {
-                let next = tokio::select! {
-                    biased;
-                    () = stopped(&mut shutdown) => {
-                        nak_buffered(&mut messages).await;
-                        break 'pull;
-                    }
-                    next = messages.next() => next,
-                };
-                let first = match next {
-                    Some(Ok(message)) => message,
-                    Some(Err(e)) => {
-                        tracing::debug!(error = %e, "input pull stream error; re-pulling");
-                        continue 'pull;
-                    }
-                    None => continue 'pull,
-                };
-                let mut batch = vec![first];
-                while batch.len() < self.batch_size {
-                    match messages.next().now_or_never() {
-                        Some(Some(Ok(message))) => batch.push(message),
-                        _ => break,
-                    }
-                }
-                self.process(batch, &shutdown).await;
+            tracing::info!(stream = %stream_name, "this replica now consumes the input stream");
+            self.wait_for_in_flight(&consumer, &shutdown).await;
+            while !*shutdown.borrow() && !lease.is_lost() {
+                self.pull_once(&consumer, &shutdown).await;
+            }
+            lease.release().await;
+        }
+    }
+
+    /// After taking over, waits (at most `ack_wait`) until no message is
+    /// delivered-but-unacked: a crashed leader's messages are then redelivered
+    /// before newer ones, which keeps per-user order.
+    async fn wait_for_in_flight(&self, consumer: &PullConsumer, shutdown: &watch::Receiver<bool>) {
+        let deadline = tokio::time::Instant::now() + self.ack_wait + Duration::from_secs(1);
+        let mut consumer = consumer.clone();
+        while tokio::time::Instant::now() < deadline && !*shutdown.borrow() {
+            match consumer.info().await {
+                Ok(info) if info.num_ack_pending == 0 => return,
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         }
-        // Hand the pin to a standby replica at once instead of after the timeout.
-        if let Ok(stream) = self.js.get_stream(&stream_name).await {
-            let _ = stream.unpin_consumer(streams::INPUT_CONSUMER, streams::PIN_GROUP).await;
+    }
+
+    /// One pull request: processes what it delivers, in chunks as it arrives,
+    /// until it is complete or expires. A pull is always finished, so a clean
+    /// stop leaves no message in flight.
+    async fn pull_once(&self, consumer: &PullConsumer, shutdown: &watch::Receiver<bool>) {
+        let pull = consumer
+            .batch()
+            .max_messages(self.batch_size)
+            .expires(PULL_EXPIRY)
+            .messages()
+            .await;
+        let mut pull = match pull {
+            Ok(pull) => pull,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot pull input; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                return;
+            }
+        };
+        loop {
+            let first = match pull.next().await {
+                Some(Ok(message)) => message,
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, "input pull ended with an error");
+                    return;
+                }
+                None => return,
+            };
+            let mut chunk = vec![first];
+            while chunk.len() < self.batch_size {
+                match pull.next().now_or_never() {
+                    Some(Some(Ok(message))) => chunk.push(message),
+                    _ => break,
+                }
+            }
+            self.process(chunk, shutdown).await;
         }
     }
 
     /// Processes one batch; every message is acked or naked when this returns.
     pub async fn process(&self, batch: Vec<Message>, shutdown: &watch::Receiver<bool>) {
-        let items: Vec<Item> = batch.into_iter().map(|message| self.check(message)).collect();
+        let items: Vec<Item> = batch
+            .into_iter()
+            .map(|message| self.check(message))
+            .collect();
         if let Err(e) = self.dead_letter_rejected(&items).await {
             tracing::warn!(error = %e, "dead letters not stored; batch will be redelivered");
-            nak_all(items.iter().map(|i| &i.message), Some(Duration::from_secs(1))).await;
+            nak_all(
+                items.iter().map(|i| &i.message),
+                Some(Duration::from_secs(1)),
+            )
+            .await;
             return;
         }
         let accepted: Vec<(usize, &InputMessage)> = items
@@ -135,8 +175,10 @@ impl Ingest {
             nak_all(items.iter().map(|i| &i.message), None).await;
             return;
         };
-        let servers: std::collections::BTreeSet<OwnedServerName> =
-            plans.iter().flat_map(|p| p.fetch_servers.iter().cloned()).collect();
+        let servers: std::collections::BTreeSet<OwnedServerName> = plans
+            .iter()
+            .flat_map(|p| p.fetch_servers.iter().cloned())
+            .collect();
         if !servers.is_empty() && !self.enqueue_jobs(&servers, shutdown).await {
             // Stale marks are committed; a restart rescans them.
             nak_all(items.iter().map(|i| &i.message), None).await;
@@ -262,13 +304,21 @@ impl Ingest {
         }
     }
 
-    async fn apply_one_by_one(&self, items: &[Item], accepted: &[(usize, &InputMessage)]) -> Option<Vec<Plan>> {
+    async fn apply_one_by_one(
+        &self,
+        items: &[Item],
+        accepted: &[(usize, &InputMessage)],
+    ) -> Option<Vec<Plan>> {
         let mut plans = Vec::new();
         for &(index, message) in accepted {
             let mut last_error = String::new();
             let mut applied = false;
             for _ in 0..BATCH_TRIES {
-                match self.store.apply_batch(std::slice::from_ref(message), now_ms()).await {
+                match self
+                    .store
+                    .apply_batch(std::slice::from_ref(message), now_ms())
+                    .await
+                {
                     Ok(plan) => {
                         self.crash_point();
                         plans.push(plan);
@@ -331,12 +381,5 @@ async fn stopped(shutdown: &mut watch::Receiver<bool>) {
 async fn nak_all<'a>(messages: impl Iterator<Item = &'a Message>, delay: Option<Duration>) {
     for message in messages {
         let _ = message.ack_with(AckKind::Nak(delay)).await;
-    }
-}
-
-/// Naks what the pull stream already holds, so another replica gets it at once.
-async fn nak_buffered(messages: &mut pull::Stream) {
-    while let Some(Some(Ok(message))) = messages.next().now_or_never() {
-        let _ = message.ack_with(AckKind::Nak(None)).await;
     }
 }

@@ -33,7 +33,11 @@ pub enum KeyError {
 impl SigningKey {
     /// Parses the first non-empty line of a key file.
     pub fn parse(text: &str) -> Result<Self, KeyError> {
-        let line = text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("");
+        let line = text
+            .lines()
+            .map(str::trim)
+            .find(|l| !l.is_empty())
+            .unwrap_or("");
         let mut parts = line.split_whitespace();
         let (Some(algorithm), Some(version), Some(seed), None) =
             (parts.next(), parts.next(), parts.next(), parts.next())
@@ -43,18 +47,25 @@ impl SigningKey {
             ));
         };
         if algorithm != "ed25519" {
-            return Err(KeyError::Format(format!("algorithm {algorithm:?} is not ed25519")));
+            return Err(KeyError::Format(format!(
+                "algorithm {algorithm:?} is not ed25519"
+            )));
         }
-        if !version.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-            return Err(KeyError::Format(format!("key version {version:?} must be [A-Za-z0-9_]+")));
+        if !version
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        {
+            return Err(KeyError::Format(format!(
+                "key version {version:?} must be [A-Za-z0-9_]+"
+            )));
         }
         let bytes = STANDARD_NO_PAD
             .decode(seed)
             .or_else(|_| STANDARD.decode(seed))
             .map_err(|_| KeyError::Format("seed is not base64".into()))?;
-        let seed: [u8; 32] = bytes
-            .try_into()
-            .map_err(|b: Vec<u8>| KeyError::Format(format!("seed has {} bytes, not 32", b.len())))?;
+        let seed: [u8; 32] = bytes.try_into().map_err(|b: Vec<u8>| {
+            KeyError::Format(format!("seed has {} bytes, not 32", b.len()))
+        })?;
         Ok(SigningKey {
             version: version.to_owned(),
             seed,
@@ -105,7 +116,11 @@ impl SigningKey {
 
     /// The key file line.
     pub fn to_line(&self) -> String {
-        format!("ed25519 {} {}\n", self.version, STANDARD_NO_PAD.encode(self.seed))
+        format!(
+            "ed25519 {} {}\n",
+            self.version,
+            STANDARD_NO_PAD.encode(self.seed)
+        )
     }
 
     /// The key id, `ed25519:<version>`.
@@ -142,7 +157,13 @@ mod tests {
     fn parses_synapse_keys_and_refuses_bad_ones() {
         let line = "ed25519 a_AbCd nqOvzeuGWT/sRx3h7+MHoInYj3Uk2LD/unI9kDYcHwk\n";
         assert_eq!(SigningKey::parse(line).unwrap().key_id(), "ed25519:a_AbCd");
-        for bad in ["", "ed25519 a_x", "rsa a_x AAAA", "ed25519 a-x nqOv", "ed25519 a_x AAAA"] {
+        for bad in [
+            "",
+            "ed25519 a_x",
+            "rsa a_x AAAA",
+            "ed25519 a-x nqOv",
+            "ed25519 a_x AAAA",
+        ] {
             assert!(SigningKey::parse(bad).is_err(), "{bad}");
         }
     }

@@ -10,7 +10,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::bus::publisher::Publisher;
-use crate::bus::{self, streams};
+use crate::bus::{self, lease, streams};
 use crate::config::Config;
 use crate::http::{self, Health};
 use crate::ingest::Ingest;
@@ -83,7 +83,9 @@ pub async fn open_store(url: &str, wait: Duration) -> Result<Store, StartError> 
         match Store::connect(url).await {
             Ok(store) => break store,
             Err(e) if tokio::time::Instant::now() >= deadline => {
-                return Err(StartError::Database(format!("cannot connect to the database: {e}")));
+                return Err(StartError::Database(format!(
+                    "cannot connect to the database: {e}"
+                )));
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
         }
@@ -111,7 +113,6 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         .map_err(StartError::Bus)?;
     let settings = streams::InputConsumerSettings {
         max_deliver: config.max_deliver,
-        pin_timeout: config.pin_timeout,
         max_ack_pending: (config.batch_size * 4).max(1000) as i64,
         ack_wait: config.ack_wait,
     };
@@ -122,6 +123,9 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
             .map_err(StartError::Bus)?;
         consumers.push((stream.clone(), consumer));
     }
+    let leases = lease::bucket(&js, config.lease_ttl)
+        .await
+        .map_err(StartError::Bus)?;
     let listener = TcpListener::bind(config.http_addr)
         .await
         .map_err(|e| StartError::Http(config.http_addr, e))?;
@@ -146,6 +150,9 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         max_deliver: config.max_deliver,
         publisher_wake: publisher.waker(),
         faults,
+        leases,
+        lease_ttl: config.lease_ttl,
+        ack_wait: config.ack_wait,
     };
     for (stream, consumer) in consumers {
         tasks.spawn(ingest.clone().run(stream, consumer, stop.clone()));

@@ -6,7 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Backend, Nats, TestDb, publish, read_stream, stream_len, wait_input_drained, wait_stream};
+use common::{
+    Backend, Nats, TestDb, publish, read_stream, stream_len, wait_input_drained, wait_stream,
+};
 use device_list_updater::worker::{self, Faults, Running};
 use entity::{key_change_outbox, remote_device, remote_user, stale_user};
 use sea_orm::{ActiveModelTrait, ActiveValue::Set, EntityTrait, PaginatorTrait};
@@ -30,7 +32,12 @@ impl Env {
             .await
             .expect("worker starts");
         let js = nats.js().await;
-        Env { nats, _db: db, js, worker }
+        Env {
+            nats,
+            _db: db,
+            js,
+            worker,
+        }
     }
 
     fn db(&self) -> &sea_orm::DatabaseConnection {
@@ -72,11 +79,20 @@ impl Env {
     }
 
     async fn stale(&self, user: &str) -> Option<stale_user::Model> {
-        stale_user::Entity::find_by_id(user.to_owned()).one(self.db()).await.unwrap()
+        stale_user::Entity::find_by_id(user.to_owned())
+            .one(self.db())
+            .await
+            .unwrap()
     }
 
     async fn update(&self, body: serde_json::Value) {
-        publish(&self.js, "devicelist.in.update", &body.to_string(), Some("remote.example")).await;
+        publish(
+            &self.js,
+            "devicelist.in.update",
+            &body.to_string(),
+            Some("remote.example"),
+        )
+        .await;
     }
 }
 
@@ -95,11 +111,16 @@ async fn chain_is_applied_in_order(backend: Backend) {
     env.update(update(ALICE, "D1", 6, &[5], "one")).await;
     env.update(update(ALICE, "D2", 7, &[6], "two")).await;
     // stream ids may arrive as numeric strings
-    env.update(json!({"user_id": ALICE, "device_id": "D1", "stream_id": "8", "prev_id": ["7"],
-                      "device_display_name": "three", "keys": {"k": 3}}))
-        .await;
+    env.update(
+        json!({"user_id": ALICE, "device_id": "D1", "stream_id": "8", "prev_id": ["7"],
+                      "device_display_name": "three", "keys": {"k": 3}}),
+    )
+    .await;
     let events = wait_stream(&env.js, "KEY_CHANGE", 3).await;
-    let streams: Vec<i64> = events.iter().map(|e| e.json["stream_id"].as_i64().unwrap()).collect();
+    let streams: Vec<i64> = events
+        .iter()
+        .map(|e| e.json["stream_id"].as_i64().unwrap())
+        .collect();
     assert_eq!(streams, vec![6, 7, 8]);
     for event in &events {
         assert_eq!(event.subject, "key_change.device");
@@ -109,11 +130,17 @@ async fn chain_is_applied_in_order(backend: Backend) {
         assert_eq!(event.json["deleted"], false);
     }
     // keys are passed through as received, unknown fields included
-    assert_eq!(events[0].json["keys"], update(ALICE, "D1", 6, &[5], "one")["keys"]);
+    assert_eq!(
+        events[0].json["keys"],
+        update(ALICE, "D1", 6, &[5], "one")["keys"]
+    );
     assert_eq!(events[2].json["keys"], json!({"k": 3}));
     assert_eq!(events[2].json["display_name"], "three");
     let d1 = env.device(ALICE, "D1").await.unwrap();
-    assert_eq!((d1.stream_id, d1.display_name.as_deref()), (8, Some("three")));
+    assert_eq!(
+        (d1.stream_id, d1.display_name.as_deref()),
+        (8, Some("three"))
+    );
     assert!(env.stale(ALICE).await.is_none());
     assert_eq!(stream_len(&env.js, "DEVICE_LIST_FETCH").await, 0);
 }
@@ -137,7 +164,10 @@ async fn duplicates_and_older_updates_emit_nothing(backend: Backend) {
     wait_input_drained(&env.js).await;
     assert_eq!(stream_len(&env.js, "KEY_CHANGE").await, 2);
     let d1 = env.device(ALICE, "D1").await.unwrap();
-    assert_eq!((d1.stream_id, d1.display_name.as_deref()), (8, Some("newest")));
+    assert_eq!(
+        (d1.stream_id, d1.display_name.as_deref()),
+        (8, Some("newest"))
+    );
 }
 both_backends!(duplicates, duplicates_and_older_updates_emit_nothing);
 
@@ -147,24 +177,41 @@ async fn unknown_or_empty_prev_marks_stale_with_one_job_per_server(backend: Back
     env.update(update(ALICE, "D1", 4, &[3], "x")).await; // unknown user
     env.update(update(ALICE, "D1", 5, &[4], "y")).await; // chains on an unapplied update
     env.update(update(BOB, "D1", 6, &[], "z")).await; // empty prev_id, known user
-    publish(&env.js, "devicelist.in.update",
-        &update("@carol:other.example", "D", 1, &[], "c").to_string(), None).await;
+    publish(
+        &env.js,
+        "devicelist.in.update",
+        &update("@carol:other.example", "D", 1, &[], "c").to_string(),
+        None,
+    )
+    .await;
     wait_input_drained(&env.js).await;
     let alice = env.stale(ALICE).await.expect("alice stale");
     let ids: Vec<i64> = serde_json::from_str(&alice.trigger_stream_ids).unwrap();
     assert_eq!(ids, vec![4, 5]);
     assert_eq!(alice.server_name, "remote.example");
     assert!(env.stale(BOB).await.is_some());
-    assert!(env.device(ALICE, "D1").await.is_none(), "a stale update is not applied");
+    assert!(
+        env.device(ALICE, "D1").await.is_none(),
+        "a stale update is not applied"
+    );
     assert_eq!(stream_len(&env.js, "KEY_CHANGE").await, 0);
     // one job per server, however many stale users it has
     let jobs = read_stream(&env.js, "DEVICE_LIST_FETCH").await;
-    let mut servers: Vec<&str> = jobs.iter().map(|j| j.json["server_name"].as_str().unwrap()).collect();
+    let mut servers: Vec<&str> = jobs
+        .iter()
+        .map(|j| j.json["server_name"].as_str().unwrap())
+        .collect();
     servers.sort();
     assert_eq!(servers, vec!["other.example", "remote.example"]);
-    assert!(jobs.iter().all(|j| j.subject.starts_with("devicelist.fetch.")));
+    assert!(
+        jobs.iter()
+            .all(|j| j.subject.starts_with("devicelist.fetch."))
+    );
 }
-both_backends!(stale, unknown_or_empty_prev_marks_stale_with_one_job_per_server);
+both_backends!(
+    stale,
+    unknown_or_empty_prev_marks_stale_with_one_job_per_server
+);
 
 async fn deletion_with_unknown_prev_is_applied_and_marks_stale(backend: Backend) {
     let env = Env::start(backend).await;
@@ -185,7 +232,10 @@ async fn deletion_with_unknown_prev_is_applied_and_marks_stale(backend: Backend)
     assert!(env.device(ALICE, "D1").await.unwrap().deleted);
     assert_eq!(stream_len(&env.js, "KEY_CHANGE").await, 1);
 }
-both_backends!(deletion, deletion_with_unknown_prev_is_applied_and_marks_stale);
+both_backends!(
+    deletion,
+    deletion_with_unknown_prev_is_applied_and_marks_stale
+);
 
 fn cross_signing_key(user: &str, usage: &str, key: &str) -> serde_json::Value {
     json!({"user_id": user, "usage": [usage], "keys": {format!("ed25519:{key}"): key}, "signatures": {}})
@@ -198,22 +248,50 @@ async fn signing_key_updates(backend: Backend) {
     let env = Env::start(backend).await;
     let master = cross_signing_key(ALICE, "master", MASTER);
     let body = json!({"user_id": ALICE, "master_key": master}).to_string();
-    publish(&env.js, "devicelist.in.signing_key", &body, Some("remote.example")).await;
-    publish(&env.js, "devicelist.in.signing_key", &body, Some("remote.example")).await; // identical: nothing
+    publish(
+        &env.js,
+        "devicelist.in.signing_key",
+        &body,
+        Some("remote.example"),
+    )
+    .await;
+    publish(
+        &env.js,
+        "devicelist.in.signing_key",
+        &body,
+        Some("remote.example"),
+    )
+    .await; // identical: nothing
     let self_signing = cross_signing_key(ALICE, "self_signing", SELF_SIGNING);
     let bad_master = cross_signing_key(BOB, "master", MASTER); // wrong user: dropped
-    let body = json!({"user_id": ALICE, "master_key": bad_master, "self_signing_key": self_signing});
-    publish(&env.js, "devicelist.in.signing_key", &body.to_string(), Some("remote.example")).await;
+    let body =
+        json!({"user_id": ALICE, "master_key": bad_master, "self_signing_key": self_signing});
+    publish(
+        &env.js,
+        "devicelist.in.signing_key",
+        &body.to_string(),
+        Some("remote.example"),
+    )
+    .await;
     let events = wait_stream(&env.js, "KEY_CHANGE", 2).await;
     assert_eq!(events[0].subject, "key_change.cross_signing");
     assert_eq!(events[0].json["master_key"], master);
     assert_eq!(events[0].json["self_signing_key"], serde_json::Value::Null);
-    assert_eq!(events[1].json["master_key"], master, "the malformed master key was ignored");
+    assert_eq!(
+        events[1].json["master_key"], master,
+        "the malformed master key was ignored"
+    );
     assert_eq!(events[1].json["self_signing_key"], self_signing);
     // only malformed keys: dead-lettered
     let wrong_usage = cross_signing_key(ALICE, "self_signing", MASTER);
     let body = json!({"user_id": ALICE, "master_key": wrong_usage});
-    publish(&env.js, "devicelist.in.signing_key", &body.to_string(), None).await;
+    publish(
+        &env.js,
+        "devicelist.in.signing_key",
+        &body.to_string(),
+        None,
+    )
+    .await;
     let dead = wait_stream(&env.js, "DEVICE_LIST_DEAD", 1).await;
     assert_eq!(dead[0].subject, "devicelist.dead.invalid_signing_key");
     wait_input_drained(&env.js).await;
@@ -232,14 +310,46 @@ async fn dead_letters_do_not_block_good_messages(backend: Backend) {
     let bad: Vec<(&str, String, Option<&str>)> = vec![
         ("not_json", "{not json".into(), None),
         ("invalid_shape", "[1]".into(), None),
-        ("invalid_user_id", u(json!({"user_id": "alice", "device_id": "D", "stream_id": 1})), None),
-        ("invalid_device_id", u(json!({"user_id": ALICE, "stream_id": 1})), None),
-        ("invalid_stream_id", u(json!({"user_id": ALICE, "device_id": "D", "stream_id": "x"})), None),
-        ("invalid_prev_id", u(json!({"user_id": ALICE, "device_id": "D", "stream_id": 1, "prev_id": {}})), None),
-        ("invalid_field", u(json!({"user_id": ALICE, "device_id": "D", "stream_id": 1, "deleted": 1})), None),
-        ("invalid_keys", u(json!({"user_id": ALICE, "device_id": "D", "stream_id": 1, "keys": "k"})), None),
-        ("origin_mismatch", u(json!({"user_id": ALICE, "device_id": "D", "stream_id": 1})), Some("evil.example")),
-        ("oversized", format!("{{\"pad\":\"{}\"}}", "x".repeat(70 * 1024)), None),
+        (
+            "invalid_user_id",
+            u(json!({"user_id": "alice", "device_id": "D", "stream_id": 1})),
+            None,
+        ),
+        (
+            "invalid_device_id",
+            u(json!({"user_id": ALICE, "stream_id": 1})),
+            None,
+        ),
+        (
+            "invalid_stream_id",
+            u(json!({"user_id": ALICE, "device_id": "D", "stream_id": "x"})),
+            None,
+        ),
+        (
+            "invalid_prev_id",
+            u(json!({"user_id": ALICE, "device_id": "D", "stream_id": 1, "prev_id": {}})),
+            None,
+        ),
+        (
+            "invalid_field",
+            u(json!({"user_id": ALICE, "device_id": "D", "stream_id": 1, "deleted": 1})),
+            None,
+        ),
+        (
+            "invalid_keys",
+            u(json!({"user_id": ALICE, "device_id": "D", "stream_id": 1, "keys": "k"})),
+            None,
+        ),
+        (
+            "origin_mismatch",
+            u(json!({"user_id": ALICE, "device_id": "D", "stream_id": 1})),
+            Some("evil.example"),
+        ),
+        (
+            "oversized",
+            format!("{{\"pad\":\"{}\"}}", "x".repeat(70 * 1024)),
+            None,
+        ),
     ];
     for (_, body, origin) in &bad {
         publish(&js, "devicelist.in.update", body, *origin).await;
@@ -248,23 +358,46 @@ async fn dead_letters_do_not_block_good_messages(backend: Backend) {
     publish(&js, "devicelist.in.update",
         &u(json!({"user_id": ALICE, "device_id": "GOOD", "stream_id": 2, "prev_id": [1], "deleted": false,
                   "keys": {"k": 1}})), None).await;
-    publish(&js, "devicelist.in.update",
-        &u(json!({"user_id": "@me:our.example", "device_id": "D", "stream_id": 1})), None).await;
-    let worker = worker::start(common::config(&nats, &db), Faults::default()).await.unwrap();
+    publish(
+        &js,
+        "devicelist.in.update",
+        &u(json!({"user_id": "@me:our.example", "device_id": "D", "stream_id": 1})),
+        None,
+    )
+    .await;
+    let worker = worker::start(common::config(&nats, &db), Faults::default())
+        .await
+        .unwrap();
     let dead = wait_stream(&js, "DEVICE_LIST_DEAD", bad.len() as u64).await;
     for ((reason, body, origin), letter) in bad.iter().zip(&dead) {
         assert_eq!(letter.subject, format!("devicelist.dead.{reason}"));
-        assert_eq!(letter.header("source_subject"), Some("devicelist.in.update"));
-        assert!(!letter.header("error").unwrap_or("").is_empty(), "{reason} has an error sentence");
+        assert_eq!(
+            letter.header("source_subject"),
+            Some("devicelist.in.update")
+        );
+        assert!(
+            !letter.header("error").unwrap_or("").is_empty(),
+            "{reason} has an error sentence"
+        );
         assert_eq!(letter.body, body.as_bytes(), "{reason} keeps its body");
-        assert_eq!(letter.header("origin"), *origin, "{reason} keeps its headers");
+        assert_eq!(
+            letter.header("origin"),
+            *origin,
+            "{reason} keeps its headers"
+        );
     }
     wait_input_drained(&js).await;
     // the good update (unknown user, so stale) was processed in the same batch
-    let stale = stale_user::Entity::find_by_id(ALICE.to_owned()).one(worker.store.connection()).await.unwrap();
+    let stale = stale_user::Entity::find_by_id(ALICE.to_owned())
+        .one(worker.store.connection())
+        .await
+        .unwrap();
     assert!(stale.is_some());
     // the own-server update was ignored: no state, no dead letter
-    let users = remote_user::Entity::find().count(worker.store.connection()).await.unwrap();
+    let users = remote_user::Entity::find()
+        .count(worker.store.connection())
+        .await
+        .unwrap();
     assert_eq!(users, 0);
     assert_eq!(stream_len(&js, "DEVICE_LIST_DEAD").await, bad.len() as u64);
     worker.stop(Duration::from_secs(5)).await;
@@ -276,14 +409,20 @@ async fn health_endpoints(backend: Backend) {
     let get = |path: &str| {
         let url = format!("http://{}{path}", env.worker.http_addr);
         async move {
-            let out = tokio::process::Command::new("curl").args(["-s", "-o", "/dev/null", "-w", "%{http_code}", &url])
-                .output().await.expect("curl");
+            let out = tokio::process::Command::new("curl")
+                .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", &url])
+                .output()
+                .await
+                .expect("curl");
             String::from_utf8_lossy(&out.stdout).to_string()
         }
     };
     assert_eq!(get("/healthz").await, "200");
     assert_eq!(get("/readyz").await, "200");
-    let outbox = key_change_outbox::Entity::find().count(env.db()).await.unwrap();
+    let outbox = key_change_outbox::Entity::find()
+        .count(env.db())
+        .await
+        .unwrap();
     assert_eq!(outbox, 0);
     drop(env.nats);
 }

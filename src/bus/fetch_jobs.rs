@@ -43,7 +43,11 @@ pub fn server_from_token(token: &str) -> Option<OwnedServerName> {
 
 /// The job subject of a server.
 pub fn subject(server: &ServerName) -> String {
-    format!("devicelist.fetch.{}.{}", partition(server), server_token(server))
+    format!(
+        "devicelist.fetch.{}.{}",
+        partition(server),
+        server_token(server)
+    )
 }
 
 /// Enqueues one job per server. A server that already has a pending job is
@@ -80,10 +84,19 @@ mod tests {
 
     #[test]
     fn tokens_round_trip_and_partitions_are_stable() {
-        for name in ["matrix.org", "example.com:8448", "[::1]:8448", "1.2.3.4", "a-b.c"] {
+        for name in [
+            "matrix.org",
+            "example.com:8448",
+            "[::1]:8448",
+            "1.2.3.4",
+            "a-b.c",
+        ] {
             let server = <&ServerName>::try_from(name).unwrap();
             assert!(!server_token(server).contains('.'));
-            assert_eq!(server_from_token(&server_token(server)).as_deref(), Some(server));
+            assert_eq!(
+                server_from_token(&server_token(server)).as_deref(),
+                Some(server)
+            );
             assert_eq!(partition(server), partition(server));
             assert!(partition(server) < FETCH_PARTITIONS);
         }

@@ -1,8 +1,10 @@
 //! Bus: everything that talks to NATS JetStream — streams and consumers
-//! (SPEC §4), dead letters (§4.3), fetch jobs, and the outbox publisher.
+//! (SPEC §4), the input lease, dead letters (§4.3), fetch jobs, and the
+//! outbox publisher.
 
 pub mod dead_letters;
 pub mod fetch_jobs;
+pub mod lease;
 pub mod publisher;
 pub mod streams;
 

@@ -68,7 +68,11 @@ impl Publisher {
     pub async fn drain(&self) -> Result<usize, String> {
         let mut sent = 0;
         loop {
-            let events = self.store.outbox_pending(ROUND).await.map_err(|e| e.to_string())?;
+            let events = self
+                .store
+                .outbox_pending(ROUND)
+                .await
+                .map_err(|e| e.to_string())?;
             if events.is_empty() {
                 return Ok(sent);
             }
@@ -82,7 +86,11 @@ impl Publisher {
                 );
                 let ack = self
                     .js
-                    .publish_with_headers(event.subject.clone(), headers, event.payload.clone().into())
+                    .publish_with_headers(
+                        event.subject.clone(),
+                        headers,
+                        event.payload.clone().into(),
+                    )
                     .await
                     .map_err(|e| e.to_string())?;
                 acks.push(ack);
@@ -95,7 +103,10 @@ impl Publisher {
                 std::process::abort();
             }
             let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
-            self.store.outbox_delete(&ids).await.map_err(|e| e.to_string())?;
+            self.store
+                .outbox_delete(&ids)
+                .await
+                .map_err(|e| e.to_string())?;
             sent += ids.len();
         }
     }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{AckPolicy, PriorityPolicy, pull};
+use async_nats::jetstream::consumer::{AckPolicy, pull};
 use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy};
 use async_nats::jetstream::{self, Context};
 
@@ -18,8 +18,6 @@ pub const DEAD_STREAM: &str = "DEVICE_LIST_DEAD";
 pub const FETCH_STREAM: &str = "DEVICE_LIST_FETCH";
 /// Durable name of the input consumer.
 pub const INPUT_CONSUMER: &str = "device-list-updater-input";
-/// Priority group of the input consumer: one replica is pinned at a time.
-pub const PIN_GROUP: &str = "dlu-input";
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
@@ -124,11 +122,20 @@ pub async fn ensure_all(
 ) -> Result<BTreeMap<String, Vec<String>>, String> {
     let outputs = [
         (
-            vec!["key_change.device".to_owned(), "key_change.cross_signing".to_owned()],
+            vec![
+                "key_change.device".to_owned(),
+                "key_change.cross_signing".to_owned(),
+            ],
             key_change_stream_config(),
         ),
-        (vec!["devicelist.dead.not_json".to_owned()], dead_stream_config()),
-        (vec!["devicelist.fetch.0.x".to_owned()], fetch_stream_config()),
+        (
+            vec!["devicelist.dead.not_json".to_owned()],
+            dead_stream_config(),
+        ),
+        (
+            vec!["devicelist.fetch.0.x".to_owned()],
+            fetch_stream_config(),
+        ),
     ];
     for (subjects, config) in outputs {
         ensure_subjects(js, &subjects, config).await?;
@@ -141,15 +148,14 @@ pub async fn ensure_all(
 pub struct InputConsumerSettings {
     /// Deliveries before a message is dead-lettered.
     pub max_deliver: i64,
-    /// How long a silent pinned replica keeps the pin.
-    pub pin_timeout: Duration,
     /// Messages handed out but not yet acked.
     pub max_ack_pending: i64,
     /// Redelivery wait of unacked messages.
     pub ack_wait: Duration,
 }
 
-/// Creates (or opens) the durable pinned pull consumer on `stream_name`.
+/// Creates (or opens) the durable pull consumer on `stream_name`. Only the
+/// replica holding the stream's lease pulls from it.
 pub async fn input_consumer(
     js: &Context,
     stream_name: &str,
@@ -168,9 +174,6 @@ pub async fn input_consumer(
         ack_wait: settings.ack_wait,
         max_deliver: settings.max_deliver,
         max_ack_pending: settings.max_ack_pending,
-        priority_policy: PriorityPolicy::PinnedClient,
-        priority_groups: vec![PIN_GROUP.into()],
-        priority_timeout: settings.pin_timeout,
         ..Default::default()
     };
     stream
@@ -190,7 +193,10 @@ mod tests {
         assert!(!subject_matches("devicelist.in.>", "devicelist.in"));
         assert!(subject_matches("a.*.c", "a.b.c"));
         assert!(!subject_matches("a.*.c", "a.b.d"));
-        assert!(subject_matches("DendriteInputDeviceListUpdate", "DendriteInputDeviceListUpdate"));
+        assert!(subject_matches(
+            "DendriteInputDeviceListUpdate",
+            "DendriteInputDeviceListUpdate"
+        ));
         assert!(!subject_matches("a.b", "a.b.c"));
     }
 }

@@ -143,7 +143,11 @@ fn apply_update(
         }
         UpdateDecision::Apply { also_stale } => {
             let new = DeviceRow {
-                display_name: if update.deleted { None } else { update.display_name.clone() },
+                display_name: if update.deleted {
+                    None
+                } else {
+                    update.display_name.clone()
+                },
                 keys: update.keys.clone(),
                 stream_id: update.stream_id,
                 deleted: update.deleted,
@@ -167,12 +171,20 @@ fn apply_update(
             if also_stale {
                 mark_stale(snapshot, plan, user, Some(update.stream_id), now_ms);
             }
-            if visible { Outcome::Applied } else { Outcome::Unchanged }
+            if visible {
+                Outcome::Applied
+            } else {
+                Outcome::Unchanged
+            }
         }
     }
 }
 
-fn apply_signing_keys(snapshot: &mut Snapshot, plan: &mut Plan, keys: &SigningKeyUpdate) -> Outcome {
+fn apply_signing_keys(
+    snapshot: &mut Snapshot,
+    plan: &mut Plan,
+    keys: &SigningKeyUpdate,
+) -> Outcome {
     let user = &keys.user_id;
     let mut changed = false;
     for (usage, new) in [
@@ -181,7 +193,10 @@ fn apply_signing_keys(snapshot: &mut Snapshot, plan: &mut Plan, keys: &SigningKe
     ] {
         let Some(new) = new else { continue };
         let slot = (user.clone(), usage);
-        if !same_json(snapshot.cross_signing.get(&slot).map(String::as_str), Some(new)) {
+        if !same_json(
+            snapshot.cross_signing.get(&slot).map(String::as_str),
+            Some(new),
+        ) {
             snapshot.cross_signing.insert(slot.clone(), new.clone());
             plan.cross_signing.insert(slot, new.clone());
             changed = true;
@@ -191,11 +206,12 @@ fn apply_signing_keys(snapshot: &mut Snapshot, plan: &mut Plan, keys: &SigningKe
         return Outcome::KeysUnchanged;
     }
     let current = |usage| snapshot.cross_signing.get(&(user.clone(), usage)).cloned();
-    plan.events.push(KeyChange::CrossSigning(CrossSigningChange {
-        user_id: user.clone(),
-        master_key: current(KeyUsage::Master),
-        self_signing_key: current(KeyUsage::SelfSigning),
-    }));
+    plan.events
+        .push(KeyChange::CrossSigning(CrossSigningChange {
+            user_id: user.clone(),
+            master_key: current(KeyUsage::Master),
+            self_signing_key: current(KeyUsage::SelfSigning),
+        }));
     Outcome::KeysChanged
 }
 
@@ -206,10 +222,13 @@ fn mark_stale(
     trigger: Option<i64>,
     now_ms: i64,
 ) {
-    let mark = snapshot.stale.entry(user.to_owned()).or_insert_with(|| StaleMark {
-        trigger_ids: Vec::new(),
-        marked_at_ms: now_ms,
-    });
+    let mark = snapshot
+        .stale
+        .entry(user.to_owned())
+        .or_insert_with(|| StaleMark {
+            trigger_ids: Vec::new(),
+            marked_at_ms: now_ms,
+        });
     if let Some(id) = trigger
         && !mark.trigger_ids.contains(&id)
     {
@@ -283,11 +302,7 @@ mod tests {
         snapshot.devices.extend(plan.devices);
         // The same update again (a duplicate delivery) is outdated; the same
         // content under a newer stream id is applied without an event.
-        let again = plan_batch(
-            snapshot,
-            &[first, update(A, "D", 7, &[6], "one")],
-            0,
-        );
+        let again = plan_batch(snapshot, &[first, update(A, "D", 7, &[6], "one")], 0);
         assert_eq!(again.outcomes, vec![Outcome::Outdated, Outcome::Unchanged]);
         assert!(again.events.is_empty());
     }
@@ -299,7 +314,10 @@ mod tests {
         // 9 was not applied, so 10's prev_id is unknown too.
         assert_eq!(plan.outcomes, vec![Outcome::Stale, Outcome::Stale]);
         let mark = &plan.stale[<&UserId>::try_from(A).unwrap()];
-        assert_eq!((mark.trigger_ids.clone(), mark.marked_at_ms), (vec![9, 10], 42));
+        assert_eq!(
+            (mark.trigger_ids.clone(), mark.marked_at_ms),
+            (vec![9, 10], 42)
+        );
         assert!(plan.events.is_empty() && plan.devices.is_empty());
         assert_eq!(plan.fetch_servers.len(), 1);
     }
@@ -309,7 +327,12 @@ mod tests {
         let mut snapshot = known_user(A, &[]);
         snapshot.devices.insert(
             (A.try_into().unwrap(), "D".into()),
-            DeviceRow { display_name: None, keys: Some("{}".into()), stream_id: 3, deleted: false },
+            DeviceRow {
+                display_name: None,
+                keys: Some("{}".into()),
+                stream_id: 3,
+                deleted: false,
+            },
         );
         let plan = plan_batch(snapshot, &[deletion(A, "D", 9, &[])], 0);
         assert_eq!(plan.outcomes, vec![Outcome::Applied]);
@@ -330,17 +353,26 @@ mod tests {
             &[
                 keys.clone(),
                 keys,
-                InputMessage::Resync(ResyncRequest { user_id: A.try_into().unwrap() }),
+                InputMessage::Resync(ResyncRequest {
+                    user_id: A.try_into().unwrap(),
+                }),
             ],
             0,
         );
         assert_eq!(
             plan.outcomes,
-            vec![Outcome::KeysChanged, Outcome::KeysUnchanged, Outcome::ResyncRequested]
+            vec![
+                Outcome::KeysChanged,
+                Outcome::KeysUnchanged,
+                Outcome::ResyncRequested
+            ]
         );
         assert_eq!(plan.events.len(), 1);
         assert!(matches!(&plan.events[0],
             KeyChange::CrossSigning(c) if c.master_key.is_some() && c.self_signing_key.is_none()));
-        assert_eq!(plan.stale[<&UserId>::try_from(A).unwrap()].trigger_ids, Vec::<i64>::new());
+        assert_eq!(
+            plan.stale[<&UserId>::try_from(A).unwrap()].trigger_ids,
+            Vec::<i64>::new()
+        );
     }
 }

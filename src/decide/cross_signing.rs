@@ -82,7 +82,11 @@ mod tests {
 
     #[test]
     fn accepts_a_well_formed_key() {
-        let raw = key_json(user().as_str(), "master", &format!(r#"{{"ed25519:{KEY}":"{KEY}"}}"#));
+        let raw = key_json(
+            user().as_str(),
+            "master",
+            &format!(r#"{{"ed25519:{KEY}":"{KEY}"}}"#),
+        );
         assert_eq!(check(&raw, user(), KeyUsage::Master), Ok(()));
     }
 
@@ -98,7 +102,11 @@ mod tests {
                 "master",
                 &format!(r#"{{"ed25519:{KEY}":"{KEY}","ed25519:other":"other"}}"#),
             ),
-            key_json(user().as_str(), "master", &format!(r#"{{"ed25519:wrong":"{KEY}"}}"#)),
+            key_json(
+                user().as_str(),
+                "master",
+                &format!(r#"{{"ed25519:wrong":"{KEY}"}}"#),
+            ),
             key_json(user().as_str(), "master", r#"{"ed25519:AAAA":"AAAA"}"#),
             key_json(user().as_str(), "master", r#"{"ed25519:!!":"!!"}"#),
             "[]".to_owned(),

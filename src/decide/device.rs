@@ -63,14 +63,26 @@ mod tests {
         let live = row(Some("A"), Some(r#"{"a":1,"b":2}"#), false);
         let gone = row(None, None, true);
         assert!(is_visible_change(None, &live));
-        assert!(!is_visible_change(None, &gone), "deleting an unknown device is no change");
+        assert!(
+            !is_visible_change(None, &gone),
+            "deleting an unknown device is no change"
+        );
         assert!(is_visible_change(Some(&live), &gone));
         assert!(!is_visible_change(Some(&gone), &gone));
         assert!(is_visible_change(Some(&gone), &live));
         assert!(!is_visible_change(Some(&live), &live));
         let reordered = row(Some("A"), Some(r#"{ "b":2, "a":1 }"#), false);
-        assert!(!is_visible_change(Some(&live), &reordered), "same JSON, other bytes");
-        assert!(is_visible_change(Some(&live), &row(Some("B"), live.keys.as_deref(), false)));
-        assert!(is_visible_change(Some(&live), &row(Some("A"), Some(r#"{"a":1}"#), false)));
+        assert!(
+            !is_visible_change(Some(&live), &reordered),
+            "same JSON, other bytes"
+        );
+        assert!(is_visible_change(
+            Some(&live),
+            &row(Some("B"), live.keys.as_deref(), false)
+        ));
+        assert!(is_visible_change(
+            Some(&live),
+            &row(Some("A"), Some(r#"{"a":1}"#), false)
+        ));
     }
 }

@@ -62,6 +62,9 @@ mod tests {
         assert_eq!(known.iter().count(), KNOWN_IDS_KEPT);
         let round_trip = KnownStreamIds::from_json(&known.to_json());
         assert_eq!(round_trip, known);
-        assert_eq!(KnownStreamIds::from_json("garbage"), KnownStreamIds::default());
+        assert_eq!(
+            KnownStreamIds::from_json("garbage"),
+            KnownStreamIds::default()
+        );
     }
 }

@@ -62,10 +62,25 @@ mod tests {
     #[test]
     fn decision_table() {
         // (prev_ids, deleted, stream_id, known, stored stream id) -> decision
-        let table: &[(&[i64], bool, i64, &[i64], Option<i64>, UpdateDecision)] = &[
+        type Row = (
+            &'static [i64],
+            bool,
+            i64,
+            &'static [i64],
+            Option<i64>,
+            UpdateDecision,
+        );
+        let table: &[Row] = &[
             // known prev_id: apply
             (&[5], false, 6, &[5], None, Apply { also_stale: false }),
-            (&[4, 5], false, 6, &[4, 5], Some(4), Apply { also_stale: false }),
+            (
+                &[4, 5],
+                false,
+                6,
+                &[4, 5],
+                Some(4),
+                Apply { also_stale: false },
+            ),
             // one unknown entry is enough to be stale
             (&[4, 5], false, 6, &[5], None, Stale),
             // unknown prev_id: stale
@@ -78,8 +93,22 @@ mod tests {
             // deletion with known prev_id: applied only
             (&[5], true, 6, &[5], Some(5), Apply { also_stale: false }),
             // stored device as new or newer: never overwritten
-            (&[5], false, 6, &[5], Some(6), Outdated { also_stale: false }),
-            (&[5], false, 6, &[5], Some(9), Outdated { also_stale: false }),
+            (
+                &[5],
+                false,
+                6,
+                &[5],
+                Some(6),
+                Outdated { also_stale: false },
+            ),
+            (
+                &[5],
+                false,
+                6,
+                &[5],
+                Some(9),
+                Outdated { also_stale: false },
+            ),
             (&[5], true, 6, &[], Some(7), Outdated { also_stale: true }),
         ];
         for (prev, deleted, stream, k, stored, want) in table {

@@ -22,7 +22,10 @@ pub fn user_id(value: Option<&Value>) -> Result<OwnedUserId, Rejection> {
         ));
     };
     if raw.contains('\0') {
-        return Err(Rejection::new(DeadReason::InvalidUserId, "user_id contains NUL"));
+        return Err(Rejection::new(
+            DeadReason::InvalidUserId,
+            "user_id contains NUL",
+        ));
     }
     UserId::parse(raw.as_str())
         .map_err(|e| Rejection::new(DeadReason::InvalidUserId, format!("user_id {raw:?}: {e}")))
@@ -72,13 +75,19 @@ pub fn prev_ids(value: Option<&Value>) -> Result<Vec<i64>, Rejection> {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Array(items)) => items,
         Some(_) => {
-            return Err(Rejection::new(DeadReason::InvalidPrevId, "prev_id must be a list"));
+            return Err(Rejection::new(
+                DeadReason::InvalidPrevId,
+                "prev_id must be a list",
+            ));
         }
     };
     if items.len() > MAX_PREV_IDS {
         return Err(Rejection::new(
             DeadReason::InvalidPrevId,
-            format!("prev_id has {} entries, more than {MAX_PREV_IDS}", items.len()),
+            format!(
+                "prev_id has {} entries, more than {MAX_PREV_IDS}",
+                items.len()
+            ),
         ));
     }
     items

@@ -87,7 +87,10 @@ pub fn parse(
     {
         return Err(Rejection::new(
             DeadReason::OriginMismatch,
-            format!("origin {origin:?} is not the server of {}", message.user_id()),
+            format!(
+                "origin {origin:?} is not the server of {}",
+                message.user_id()
+            ),
         ));
     }
     if user_server == own_server {
@@ -119,11 +122,21 @@ mod tests {
 
     #[test]
     fn origin_must_be_the_users_server() {
-        let err = parse(InputKind::Update, UPDATE.as_bytes(), Some("evil.example"), own())
-            .unwrap_err();
+        let err = parse(
+            InputKind::Update,
+            UPDATE.as_bytes(),
+            Some("evil.example"),
+            own(),
+        )
+        .unwrap_err();
         assert_eq!(err.reason, DeadReason::OriginMismatch);
         assert!(matches!(
-            parse(InputKind::Update, UPDATE.as_bytes(), Some("remote.example"), own()),
+            parse(
+                InputKind::Update,
+                UPDATE.as_bytes(),
+                Some("remote.example"),
+                own()
+            ),
             Ok(Parsed::Accept(_))
         ));
         assert!(matches!(
@@ -140,7 +153,12 @@ mod tests {
             Ok(Parsed::OwnUser)
         );
         assert_eq!(
-            parse(InputKind::Resync, br#"{"user_id":"@me:our.example"}"#, None, own()),
+            parse(
+                InputKind::Resync,
+                br#"{"user_id":"@me:our.example"}"#,
+                None,
+                own()
+            ),
             Ok(Parsed::OwnUser)
         );
     }
@@ -149,7 +167,9 @@ mod tests {
     fn oversized_bodies_are_refused_before_parsing() {
         let body = vec![b' '; MAX_BODY_BYTES + 1];
         assert_eq!(
-            parse(InputKind::Update, &body, None, own()).unwrap_err().reason,
+            parse(InputKind::Update, &body, None, own())
+                .unwrap_err()
+                .reason,
             DeadReason::Oversized
         );
     }

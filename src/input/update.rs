@@ -89,7 +89,10 @@ mod tests {
         assert_eq!(u.user_id.as_str(), "@a:remote.example");
         assert_eq!(u.device_id.as_str(), "D");
         assert_eq!(u.display_name.as_deref(), Some("Phone"));
-        assert_eq!((u.stream_id, u.prev_ids.clone(), u.deleted), (6, vec![5], false));
+        assert_eq!(
+            (u.stream_id, u.prev_ids.clone(), u.deleted),
+            (6, vec![5], false)
+        );
         assert_eq!(u.keys.as_deref(), Some(r#"{"b":1,  "a":{"x":"y"}}"#));
     }
 
@@ -121,20 +124,62 @@ mod tests {
         let cases = [
             ("not json", DeadReason::NotJson),
             ("[1,2]", DeadReason::InvalidShape),
-            (r#"{"device_id":"D","stream_id":1}"#, DeadReason::InvalidUserId),
-            (r#"{"user_id":"alice","device_id":"D","stream_id":1}"#, DeadReason::InvalidUserId),
-            (r#"{"user_id":"@a:b","stream_id":1}"#, DeadReason::InvalidDeviceId),
-            (r#"{"user_id":"@a:b","device_id":"","stream_id":1}"#, DeadReason::InvalidDeviceId),
-            (r#"{"user_id":"@a:b","device_id":7,"stream_id":1}"#, DeadReason::InvalidDeviceId),
-            (r#"{"user_id":"@a:b","device_id":"D"}"#, DeadReason::InvalidStreamId),
-            (r#"{"user_id":"@a:b","device_id":"D","stream_id":-1}"#, DeadReason::InvalidStreamId),
-            (r#"{"user_id":"@a:b","device_id":"D","stream_id":"1x"}"#, DeadReason::InvalidStreamId),
-            (r#"{"user_id":"@a:b","device_id":"D","stream_id":1.5}"#, DeadReason::InvalidStreamId),
-            (r#"{"user_id":"@a:b","device_id":"D","stream_id":1,"prev_id":5}"#, DeadReason::InvalidPrevId),
-            (r#"{"user_id":"@a:b","device_id":"D","stream_id":1,"prev_id":["x"]}"#, DeadReason::InvalidPrevId),
-            (r#"{"user_id":"@a:b","device_id":"D","stream_id":1,"deleted":"yes"}"#, DeadReason::InvalidField),
-            (r#"{"user_id":"@a:b","device_id":"D","stream_id":1,"device_display_name":3}"#, DeadReason::InvalidField),
-            (r#"{"user_id":"@a:b","device_id":"D","stream_id":1,"keys":[1]}"#, DeadReason::InvalidKeys),
+            (
+                r#"{"device_id":"D","stream_id":1}"#,
+                DeadReason::InvalidUserId,
+            ),
+            (
+                r#"{"user_id":"alice","device_id":"D","stream_id":1}"#,
+                DeadReason::InvalidUserId,
+            ),
+            (
+                r#"{"user_id":"@a:b","stream_id":1}"#,
+                DeadReason::InvalidDeviceId,
+            ),
+            (
+                r#"{"user_id":"@a:b","device_id":"","stream_id":1}"#,
+                DeadReason::InvalidDeviceId,
+            ),
+            (
+                r#"{"user_id":"@a:b","device_id":7,"stream_id":1}"#,
+                DeadReason::InvalidDeviceId,
+            ),
+            (
+                r#"{"user_id":"@a:b","device_id":"D"}"#,
+                DeadReason::InvalidStreamId,
+            ),
+            (
+                r#"{"user_id":"@a:b","device_id":"D","stream_id":-1}"#,
+                DeadReason::InvalidStreamId,
+            ),
+            (
+                r#"{"user_id":"@a:b","device_id":"D","stream_id":"1x"}"#,
+                DeadReason::InvalidStreamId,
+            ),
+            (
+                r#"{"user_id":"@a:b","device_id":"D","stream_id":1.5}"#,
+                DeadReason::InvalidStreamId,
+            ),
+            (
+                r#"{"user_id":"@a:b","device_id":"D","stream_id":1,"prev_id":5}"#,
+                DeadReason::InvalidPrevId,
+            ),
+            (
+                r#"{"user_id":"@a:b","device_id":"D","stream_id":1,"prev_id":["x"]}"#,
+                DeadReason::InvalidPrevId,
+            ),
+            (
+                r#"{"user_id":"@a:b","device_id":"D","stream_id":1,"deleted":"yes"}"#,
+                DeadReason::InvalidField,
+            ),
+            (
+                r#"{"user_id":"@a:b","device_id":"D","stream_id":1,"device_display_name":3}"#,
+                DeadReason::InvalidField,
+            ),
+            (
+                r#"{"user_id":"@a:b","device_id":"D","stream_id":1,"keys":[1]}"#,
+                DeadReason::InvalidKeys,
+            ),
         ];
         for (body, want) in cases {
             assert_eq!(reason(body), want, "{body}");

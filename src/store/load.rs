@@ -30,7 +30,9 @@ pub(super) async fn snapshot<C: ConnectionTrait>(
         })
         .collect();
     let devices: Vec<&str> = devices.into_iter().collect();
-    let wants_keys = messages.iter().any(|m| matches!(m, InputMessage::SigningKey(_)));
+    let wants_keys = messages
+        .iter()
+        .any(|m| matches!(m, InputMessage::SigningKey(_)));
 
     for chunk in users.chunks(CHUNK) {
         for row in remote_user::Entity::find()
@@ -38,7 +40,9 @@ pub(super) async fn snapshot<C: ConnectionTrait>(
             .all(db)
             .await?
         {
-            let Ok(user) = OwnedUserId::try_from(row.user_id) else { continue };
+            let Ok(user) = OwnedUserId::try_from(row.user_id) else {
+                continue;
+            };
             snapshot.users.insert(
                 user,
                 UserState {
@@ -52,7 +56,9 @@ pub(super) async fn snapshot<C: ConnectionTrait>(
             .all(db)
             .await?
         {
-            let Ok(user) = OwnedUserId::try_from(row.user_id) else { continue };
+            let Ok(user) = OwnedUserId::try_from(row.user_id) else {
+                continue;
+            };
             snapshot.stale.insert(
                 user,
                 StaleMark {
@@ -70,7 +76,9 @@ pub(super) async fn snapshot<C: ConnectionTrait>(
                 .all(db)
                 .await?
             {
-                let Ok(user) = OwnedUserId::try_from(row.user_id) else { continue };
+                let Ok(user) = OwnedUserId::try_from(row.user_id) else {
+                    continue;
+                };
                 snapshot.devices.insert(
                     (user, OwnedDeviceId::from(row.device_id)),
                     DeviceRow {

@@ -10,11 +10,11 @@ mod write;
 
 use std::time::Duration;
 
-use sea_orm::{
-    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr,
-    EntityTrait, SqliteTransactionMode, TransactionOptions, TransactionTrait,
-};
 use migration::MigratorTrait;
+use sea_orm::{
+    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr, EntityTrait,
+    SqliteTransactionMode, TransactionOptions, TransactionTrait,
+};
 
 use crate::decide::{Plan, plan_batch};
 use crate::input::InputMessage;
@@ -99,7 +99,11 @@ impl Store {
             name: Set(NAME.to_owned()),
             value: Set(uuid::Uuid::new_v4().simple().to_string()),
         })
-        .on_conflict(OnConflict::column(service_meta::Column::Name).do_nothing().to_owned())
+        .on_conflict(
+            OnConflict::column(service_meta::Column::Name)
+                .do_nothing()
+                .to_owned(),
+        )
         .exec_without_returning(&self.db)
         .await?;
         service_meta::Entity::find_by_id(NAME.to_owned())

@@ -1,8 +1,8 @@
 //! Writing a [`Plan`]: upserts of the dirty rows and the outbox inserts.
 
 use entity::{cross_signing_key, key_change_outbox, remote_device, remote_user, stale_user};
-use sea_orm::{ActiveValue::NotSet, ActiveValue::Set, ConnectionTrait, DbErr, EntityTrait};
 use sea_orm::sea_query::OnConflict;
+use sea_orm::{ActiveValue::NotSet, ActiveValue::Set, ConnectionTrait, DbErr, EntityTrait};
 
 use crate::decide::Plan;
 
@@ -10,7 +10,11 @@ use crate::decide::Plan;
 const CHUNK: usize = 1000;
 
 /// Writes every dirty row of `plan` and its events.
-pub(super) async fn plan<C: ConnectionTrait>(db: &C, plan: &Plan, now_ms: i64) -> Result<(), DbErr> {
+pub(super) async fn plan<C: ConnectionTrait>(
+    db: &C,
+    plan: &Plan,
+    now_ms: i64,
+) -> Result<(), DbErr> {
     let users: Vec<_> = plan
         .users
         .iter()
@@ -50,14 +54,17 @@ pub(super) async fn plan<C: ConnectionTrait>(db: &C, plan: &Plan, now_ms: i64) -
     for chunk in devices.chunks(CHUNK) {
         remote_device::Entity::insert_many(chunk.to_vec())
             .on_conflict(
-                OnConflict::columns([remote_device::Column::UserId, remote_device::Column::DeviceId])
-                    .update_columns([
-                        remote_device::Column::DisplayName,
-                        remote_device::Column::KeysJson,
-                        remote_device::Column::StreamId,
-                        remote_device::Column::Deleted,
-                    ])
-                    .to_owned(),
+                OnConflict::columns([
+                    remote_device::Column::UserId,
+                    remote_device::Column::DeviceId,
+                ])
+                .update_columns([
+                    remote_device::Column::DisplayName,
+                    remote_device::Column::KeysJson,
+                    remote_device::Column::StreamId,
+                    remote_device::Column::Deleted,
+                ])
+                .to_owned(),
             )
             .exec_without_returning(db)
             .await?;

@@ -77,7 +77,9 @@ impl Nats {
 
     /// A new client.
     pub async fn client(&self) -> async_nats::Client {
-        async_nats::connect(&self.url).await.expect("connect to nats")
+        async_nats::connect(&self.url)
+            .await
+            .expect("connect to nats")
     }
 
     /// A JetStream context on a new client.
@@ -96,7 +98,12 @@ impl Nats {
     /// Starts it again on the same port, with the same store.
     pub async fn restart(&mut self) {
         self.stop();
-        let port: i32 = self.url.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+        let port: i32 = self
+            .url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("port");
         self.spawn(port).await;
     }
 }
@@ -125,7 +132,8 @@ pub struct TestDb {
 }
 
 fn pg_admin_url() -> String {
-    std::env::var("DLU_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    std::env::var("DLU_TEST_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
 impl TestDb {
@@ -134,14 +142,25 @@ impl TestDb {
         match backend {
             Backend::Sqlite => {
                 let dir = tempfile::tempdir().expect("temp dir");
-                let url = format!("sqlite://{}?mode=rwc", dir.path().join("dlu.sqlite").display());
-                TestDb { url, _dir: Some(dir), pg_name: None }
+                let url = format!(
+                    "sqlite://{}?mode=rwc",
+                    dir.path().join("dlu.sqlite").display()
+                );
+                TestDb {
+                    url,
+                    _dir: Some(dir),
+                    pg_name: None,
+                }
             }
             Backend::Postgres => {
                 let admin = pg_admin_url();
                 let name = format!("dlu_test_{}", uuid::Uuid::new_v4().simple());
-                let db = Database::connect(&admin).await.expect("PostgreSQL must be running");
-                db.execute_unprepared(&format!("CREATE DATABASE {name}")).await.expect("create db");
+                let db = Database::connect(&admin)
+                    .await
+                    .expect("PostgreSQL must be running");
+                db.execute_unprepared(&format!("CREATE DATABASE {name}"))
+                    .await
+                    .expect("create db");
                 let base = admin.rsplit_once('/').map(|(b, _)| b).unwrap_or(&admin);
                 TestDb {
                     url: format!("{base}/{name}"),
@@ -155,10 +174,15 @@ impl TestDb {
 
 impl Drop for TestDb {
     fn drop(&mut self) {
-        let Some(name) = self.pg_name.take() else { return };
+        let Some(name) = self.pg_name.take() else {
+            return;
+        };
         // Dropping needs async I/O; do it on a private runtime in a thread.
         let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
                 return;
             };
             rt.block_on(async move {
@@ -190,7 +214,7 @@ pub fn config(nats: &Nats, db: &TestDb) -> Config {
         input: InputSubjects::default(),
         batch_size: 1000,
         startup_timeout: Duration::from_secs(10),
-        pin_timeout: Duration::from_secs(2),
+        lease_ttl: Duration::from_secs(2),
         max_deliver: 10,
         ack_wait: Duration::from_secs(2),
     }
@@ -207,7 +231,10 @@ where
         if let Some(value) = check().await {
             return value;
         }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -241,7 +268,10 @@ pub struct Stored {
 impl Stored {
     /// One header's value.
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
     }
 }
 
@@ -263,12 +293,16 @@ pub async fn read_stream(js: &jetstream::Context, stream: &str) -> Vec<Stored> {
         return out;
     }
     for seq in first..=last {
-        let Ok(message) = s.get_raw_message(seq).await else { continue };
+        let Ok(message) = s.get_raw_message(seq).await else {
+            continue;
+        };
         let headers = message
             .headers
             .iter()
             .flat_map(|(name, values)| {
-                values.iter().map(move |v| (name.to_string(), v.as_str().to_owned()))
+                values
+                    .iter()
+                    .map(move |v| (name.to_string(), v.as_str().to_owned()))
             })
             .collect();
         out.push(Stored {
@@ -283,24 +317,36 @@ pub async fn read_stream(js: &jetstream::Context, stream: &str) -> Vec<Stored> {
 
 /// Waits until `stream` holds exactly `n` messages, then returns them.
 pub async fn wait_stream(js: &jetstream::Context, stream: &str, n: u64) -> Vec<Stored> {
-    eventually(Duration::from_secs(20), &format!("{n} messages in {stream}"), || async {
-        (stream_len(js, stream).await >= n).then_some(())
-    })
+    eventually(
+        Duration::from_secs(20),
+        &format!("{n} messages in {stream}"),
+        || async { (stream_len(js, stream).await >= n).then_some(()) },
+    )
     .await;
     let messages = read_stream(js, stream).await;
-    assert_eq!(messages.len() as u64, n, "{stream} holds more than {n} messages: {messages:#?}");
+    assert_eq!(
+        messages.len() as u64,
+        n,
+        "{stream} holds more than {n} messages: {messages:#?}"
+    );
     messages
 }
 
 /// Waits until the input consumer has nothing pending or unacked.
 pub async fn wait_input_drained(js: &jetstream::Context) {
-    eventually(Duration::from_secs(20), "input consumer drained", || async {
-        let stream = js.get_stream("DEVICE_LIST_INPUT").await.ok()?;
-        let mut consumer: consumer::PullConsumer =
-            stream.get_consumer("device-list-updater-input").await.ok()?;
-        let info = consumer.info().await.ok()?;
-        (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
-    })
+    eventually(
+        Duration::from_secs(20),
+        "input consumer drained",
+        || async {
+            let stream = js.get_stream("DEVICE_LIST_INPUT").await.ok()?;
+            let mut consumer: consumer::PullConsumer = stream
+                .get_consumer("device-list-updater-input")
+                .await
+                .ok()?;
+            let info = consumer.info().await.ok()?;
+            (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
+        },
+    )
     .await;
 }
 

@@ -1,0 +1,143 @@
+//! The command line: exit code 2 with one clear line for bad configuration,
+//! `generate-key` and `migrate`.
+
+mod common;
+
+use std::process::Output;
+use std::time::Duration;
+
+use device_list_updater::signing_key::SigningKey;
+use tokio::process::Command;
+
+async fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(common::binary());
+    command.args(args);
+    for (key, _) in std::env::vars().filter(|(k, _)| k.starts_with("DLU_")) {
+        command.env_remove(key);
+    }
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    tokio::time::timeout(Duration::from_secs(60), command.output())
+        .await
+        .expect("finishes")
+        .expect("runs")
+}
+
+fn one_line_error(output: &Output, needle: &str) {
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("device-list-updater:"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].contains(needle), "{stderr}");
+}
+
+#[tokio::test]
+async fn bad_configuration_exits_2_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("signing.key");
+    let key = key.to_str().unwrap();
+    let out = run(&["run"], &[]).await;
+    one_line_error(&out, "server_name is required");
+    let out = run(&["run"], &[("DLU_SERVER_NAME", "our.example")]).await;
+    one_line_error(&out, "signing_key_path is required");
+    let out = run(
+        &["run"],
+        &[
+            ("DLU_SERVER_NAME", "our.example"),
+            ("DLU_SIGNING_KEY_PATH", key),
+        ],
+    )
+    .await;
+    one_line_error(&out, "signing key");
+    SigningKey::generate()
+        .unwrap()
+        .write_new(std::path::Path::new(key))
+        .unwrap();
+    let out = run(
+        &["run"],
+        &[
+            ("DLU_SERVER_NAME", "our.example"),
+            ("DLU_SIGNING_KEY_PATH", key),
+            ("DLU_RETRY_MIN", "soon"),
+        ],
+    )
+    .await;
+    one_line_error(&out, "retry_min");
+    // a flag overrides the environment
+    let out = run(
+        &["run", "--server-name", "bad name!"],
+        &[
+            ("DLU_SERVER_NAME", "our.example"),
+            ("DLU_SIGNING_KEY_PATH", key),
+        ],
+    )
+    .await;
+    one_line_error(&out, "server_name");
+}
+
+#[tokio::test]
+async fn unreachable_nats_exits_2_after_a_bounded_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("signing.key");
+    SigningKey::generate().unwrap().write_new(&key).unwrap();
+    // a port nobody listens on
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let nats = format!("nats://127.0.0.1:{port}");
+    let db = format!(
+        "sqlite://{}?mode=rwc",
+        dir.path().join("db.sqlite").display()
+    );
+    let out = run(
+        &["run"],
+        &[
+            ("DLU_SERVER_NAME", "our.example"),
+            ("DLU_SIGNING_KEY_PATH", key.to_str().unwrap()),
+            ("DLU_NATS_URL", &nats),
+            ("DLU_DATABASE_URL", &db),
+            ("DLU_STARTUP_TIMEOUT", "1s"),
+        ],
+    )
+    .await;
+    one_line_error(&out, "NATS");
+}
+
+#[tokio::test]
+async fn generate_key_writes_a_loadable_key_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("signing.key");
+    let out = run(&["generate-key", path.to_str().unwrap()], &[]).await;
+    assert!(out.status.success());
+    let printed = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let key = SigningKey::load(&path).unwrap();
+    assert_eq!(printed, key.key_id());
+    let again = run(&["generate-key", path.to_str().unwrap()], &[]).await;
+    assert!(!again.status.success(), "never overwrites a key");
+    assert_eq!(SigningKey::load(&path).unwrap(), key);
+}
+
+#[tokio::test]
+async fn migrate_creates_the_schema() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!(
+        "sqlite://{}?mode=rwc",
+        dir.path().join("db.sqlite").display()
+    );
+    let out = run(&["migrate"], &[("DLU_DATABASE_URL", &db)]).await;
+    assert!(out.status.success(), "{out:?}");
+    let store = device_list_updater::store::Store::connect(&db)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.outbox_len().await.unwrap(),
+        0,
+        "the outbox table exists"
+    );
+}
