@@ -1,1 +1,265 @@
-fn main() {}
+//! Ingest benchmark (`cargo bench --bench ingest`).
+//!
+//! Measures, in one run on one nats-server:
+//! 1. a bare JetStream loop: pull a message, publish it to another stream, ack;
+//! 2. the worker's ingest: N device-list updates pre-published to
+//!    `devicelist.in.update` until all N key changes are in `KEY_CHANGE`
+//!    (check, plan, one transaction per batch, outbox, publish, ack), on
+//!    PostgreSQL and on SQLite.
+//!
+//! Settings: `BENCH_UPDATES` (default 200000), `BENCH_USERS` (default 10000),
+//! `DLU_BENCH_PG_URL` (default `postgres://postgres@127.0.0.1:5432/test`),
+//! `NATS_SERVER_BIN`. Results go to stdout as a Markdown table.
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, stream};
+use device_list_updater::config::{Config, InputSubjects};
+use device_list_updater::signing_key::SigningKey;
+use device_list_updater::testkit::{Nats, wait_for};
+use device_list_updater::worker::{self, Faults};
+use futures::StreamExt as _;
+use sea_orm::{ActiveValue::Set, ConnectionTrait, Database, EntityTrait};
+
+fn env_usize(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn update(user: usize, round: usize) -> String {
+    let user = format!("@user{user}:server{}.example", user % 500);
+    let device = format!("DEV{}", round % 4);
+    serde_json::json!({
+        "user_id": user, "device_id": device, "device_display_name": format!("Phone {round}"),
+        "stream_id": round, "prev_id": [round - 1],
+        "keys": {"user_id": user, "device_id": device,
+                 "algorithms": ["m.olm.v1.curve25519-aes-sha2", "m.megolm.v1.aes-sha2"],
+                 "keys": {format!("curve25519:{device}"): "3C5BFWi2Y8MaVvjM8M22DBmh24PmgR0nPvJOIArzgyI",
+                          format!("ed25519:{device}"): format!("lEuiRJBit0IG6nUf5pUzWTUEsRVVe/HJkoKu{round:08}")},
+                 "signatures": {}}
+    })
+    .to_string()
+}
+
+async fn stream_len(js: &jetstream::Context, name: &str) -> u64 {
+    match js.get_stream(name).await {
+        Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
+        Err(_) => 0,
+    }
+}
+
+async fn publish_all(js: &jetstream::Context, subject: &str, bodies: impl Iterator<Item = String>) {
+    let mut acks = Vec::with_capacity(4096);
+    for body in bodies {
+        acks.push(
+            js.publish(subject.to_owned(), body.into())
+                .await
+                .expect("publish"),
+        );
+        if acks.len() == 4096 {
+            for ack in acks.drain(..) {
+                ack.await.expect("ack");
+            }
+        }
+    }
+    for ack in acks {
+        ack.await.expect("ack");
+    }
+}
+
+/// Pull, publish to another stream, ack: the ceiling for any JetStream worker.
+async fn bare_loop(nats: &Nats, n: usize, users: usize) -> f64 {
+    let js = nats.js().await;
+    for (name, subject) in [("BENCH_IN", "bench.in"), ("BENCH_OUT", "bench.out")] {
+        js.get_or_create_stream(stream::Config {
+            name: name.into(),
+            subjects: vec![subject.into()],
+            ..Default::default()
+        })
+        .await
+        .expect("stream");
+    }
+    publish_all(
+        &js,
+        "bench.in",
+        (0..n).map(|i| update(i % users, 1 + i / users)),
+    )
+    .await;
+    let consumer: jetstream::consumer::PullConsumer = js
+        .get_stream("BENCH_IN")
+        .await
+        .expect("stream")
+        .get_or_create_consumer(
+            "bench",
+            jetstream::consumer::pull::Config {
+                durable_name: Some("bench".into()),
+                max_ack_pending: 10_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("consumer");
+    let started = Instant::now();
+    let mut messages = consumer
+        .stream()
+        .max_messages_per_batch(1000)
+        .messages()
+        .await
+        .expect("pull");
+    let mut acks = Vec::with_capacity(1000);
+    let mut done = 0;
+    while done < n {
+        let message = messages.next().await.expect("message").expect("message");
+        acks.push(
+            js.publish("bench.out", message.payload.clone())
+                .await
+                .expect("publish"),
+        );
+        message.ack().await.expect("ack");
+        done += 1;
+        if acks.len() == 1000 || done == n {
+            for ack in acks.drain(..) {
+                ack.await.expect("ack");
+            }
+        }
+    }
+    n as f64 / started.elapsed().as_secs_f64()
+}
+
+/// The worker's ingest from pre-published updates to published key changes.
+async fn ingest(nats: &Nats, database_url: &str, n: usize, users: usize) -> (f64, Duration) {
+    let js = nats.js().await;
+    for name in [
+        "DEVICE_LIST_INPUT",
+        "KEY_CHANGE",
+        "DEVICE_LIST_DEAD",
+        "DEVICE_LIST_FETCH",
+    ] {
+        let _ = js.delete_stream(name).await;
+    }
+    let _ = js.delete_key_value(worker_lease_bucket()).await;
+    let store = worker::open_store(database_url, Duration::from_secs(10))
+        .await
+        .expect("db");
+    // every user known up to stream id 0, as after a fetch
+    let rows: Vec<_> = (0..users)
+        .map(|u| entity::remote_user::ActiveModel {
+            user_id: Set(format!("@user{u}:server{}.example", u % 500)),
+            server_name: Set(format!("server{}.example", u % 500)),
+            known_stream_ids: Set("[0]".into()),
+            max_stream_id: Set(0),
+        })
+        .collect();
+    for chunk in rows.chunks(1000) {
+        entity::remote_user::Entity::insert_many(chunk.to_vec())
+            .exec_without_returning(store.connection())
+            .await
+            .expect("seed");
+    }
+    js.get_or_create_stream(stream::Config {
+        name: "DEVICE_LIST_INPUT".into(),
+        subjects: vec!["devicelist.in.>".into()],
+        ..Default::default()
+    })
+    .await
+    .expect("input stream");
+    // round by round: every batch holds many users, each with its next update
+    publish_all(
+        &js,
+        "devicelist.in.update",
+        (0..n).map(|i| update(i % users, 1 + i / users)),
+    )
+    .await;
+    let config = Config {
+        server_name: "our.example".try_into().expect("name"),
+        signing_key: SigningKey::generate().expect("key"),
+        database_url: database_url.to_owned(),
+        nats_url: nats.url.clone(),
+        http_addr: "127.0.0.1:0".parse().expect("addr"),
+        federation_overrides: Default::default(),
+        federation_timeout: Duration::from_secs(30),
+        retry_min: Duration::from_secs(60),
+        retry_max: Duration::from_secs(3600),
+        startup_spread: Duration::ZERO,
+        max_devices: 1000,
+        input: InputSubjects::default(),
+        batch_size: env_usize("BENCH_BATCH", 1000),
+        startup_timeout: Duration::from_secs(10),
+        lease_ttl: Duration::from_secs(10),
+        max_deliver: 10,
+        ack_wait: Duration::from_secs(60),
+    };
+    let started = Instant::now();
+    let running = worker::start(config, Faults::default())
+        .await
+        .expect("worker");
+    wait_for(Duration::from_secs(600), "all key changes", || async {
+        (stream_len(&js, "KEY_CHANGE").await >= n as u64).then_some(())
+    })
+    .await;
+    let elapsed = started.elapsed();
+    running.stop(Duration::from_secs(10)).await;
+    (n as f64 / elapsed.as_secs_f64(), elapsed)
+}
+
+fn worker_lease_bucket() -> &'static str {
+    device_list_updater::bus::lease::BUCKET
+}
+
+async fn fresh_pg(admin: &str) -> (String, String) {
+    let name = format!("dlu_bench_{}", uuid::Uuid::new_v4().simple());
+    let db = Database::connect(admin).await.expect("PostgreSQL");
+    db.execute_unprepared(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("create");
+    let base = admin.rsplit_once('/').map(|(b, _)| b).unwrap_or(admin);
+    (format!("{base}/{name}"), name)
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; there are no options to read.
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
+    let n = env_usize("BENCH_UPDATES", 200_000);
+    let users = env_usize("BENCH_USERS", 10_000);
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    runtime.block_on(async {
+        let nats = Nats::start().await;
+        let bare = bare_loop(&nats, n, users).await;
+        let admin = std::env::var("DLU_BENCH_PG_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        let (pg_url, pg_name) = fresh_pg(&admin).await;
+        let (pg, pg_time) = ingest(&nats, &pg_url, n, users).await;
+        if let Ok(db) = Database::connect(&admin).await {
+            let _ = db
+                .execute_unprepared(&format!("DROP DATABASE IF EXISTS {pg_name} WITH (FORCE)"))
+                .await;
+        }
+        let dir = tempfile::tempdir().expect("dir");
+        let sqlite_url = format!(
+            "sqlite://{}?mode=rwc",
+            dir.path().join("bench.sqlite").display()
+        );
+        let (sqlite, sqlite_time) = ingest(&nats, &sqlite_url, n, users).await;
+        println!("| measurement | messages | time | per second |");
+        println!("|---|---|---|---|");
+        println!(
+            "| bare JetStream pull → publish → ack | {n} | {:.2}s | {bare:.0} |",
+            n as f64 / bare
+        );
+        println!(
+            "| ingest, PostgreSQL (update → key change published) | {n} | {:.2}s | {pg:.0} |",
+            pg_time.as_secs_f64()
+        );
+        println!(
+            "| ingest, SQLite (update → key change published) | {n} | {:.2}s | {sqlite:.0} |",
+            sqlite_time.as_secs_f64()
+        );
+    });
+}

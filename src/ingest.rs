@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Context, Message};
-use futures::{FutureExt as _, StreamExt as _};
+use futures::StreamExt as _;
 use ruma::OwnedServerName;
 use tokio::sync::{Notify, watch};
 
@@ -23,6 +23,8 @@ use crate::worker::Faults;
 
 /// How long one pull waits for messages (also the longest a clean stop waits).
 const PULL_EXPIRY: Duration = Duration::from_secs(1);
+/// How long to wait for one more message before processing what arrived.
+const LINGER: Duration = Duration::from_millis(2);
 /// Tries of a whole batch while the database answers before messages are
 /// applied one by one to find the one it refuses.
 const BATCH_TRIES: u32 = 3;
@@ -137,10 +139,13 @@ impl Ingest {
                 }
                 None => return,
             };
+            // Gather what follows closely. A real await (not `now_or_never`)
+            // matters: tokio's cooperative budget makes a bare poll report
+            // "pending" after 128 receives, which split batches into 128s.
             let mut chunk = vec![first];
             while chunk.len() < self.batch_size {
-                match pull.next().now_or_never() {
-                    Some(Some(Ok(message))) => chunk.push(message),
+                match tokio::time::timeout(LINGER, pull.next()).await {
+                    Ok(Some(Ok(message))) => chunk.push(message),
                     _ => break,
                 }
             }
@@ -150,6 +155,8 @@ impl Ingest {
 
     /// Processes one batch; every message is acked or naked when this returns.
     pub async fn process(&self, batch: Vec<Message>, shutdown: &watch::Receiver<bool>) {
+        let started = std::time::Instant::now();
+        let size = batch.len();
         let items: Vec<Item> = batch
             .into_iter()
             .map(|message| self.check(message))
@@ -187,11 +194,18 @@ impl Ingest {
         if plans.iter().any(|p| !p.events.is_empty()) {
             self.publisher_wake.notify_one();
         }
+        let applied = started.elapsed();
         for item in &items {
             if let Err(e) = item.message.ack().await {
                 tracing::warn!(error = %e, "ack failed; the message will be redelivered (a no-op)");
             }
         }
+        tracing::debug!(
+            messages = size,
+            apply_ms = applied.as_secs_f64() * 1000.0,
+            total_ms = started.elapsed().as_secs_f64() * 1000.0,
+            "batch processed"
+        );
     }
 
     fn check(&self, message: Message) -> Item {

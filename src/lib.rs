@@ -20,4 +20,5 @@ pub mod input;
 pub mod key_change;
 pub mod signing_key;
 pub mod store;
+pub mod testkit;
 pub mod worker;

@@ -405,25 +405,26 @@ async fn dead_letters_do_not_block_good_messages(backend: Backend) {
 both_backends!(dead_letters, dead_letters_do_not_block_good_messages);
 
 async fn health_endpoints(backend: Backend) {
-    let env = Env::start(backend).await;
-    let get = |path: &str| {
-        let url = format!("http://{}{path}", env.worker.http_addr);
-        async move {
-            let out = tokio::process::Command::new("curl")
-                .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", &url])
-                .output()
-                .await
-                .expect("curl");
-            String::from_utf8_lossy(&out.stdout).to_string()
-        }
-    };
-    assert_eq!(get("/healthz").await, "200");
-    assert_eq!(get("/readyz").await, "200");
+    let mut env = Env::start(backend).await;
+    let addr = env.worker.http_addr;
+    assert_eq!(common::http_status(addr, "/healthz").await, 200);
+    assert_eq!(common::http_status(addr, "/readyz").await, 200);
+    // readiness follows NATS: down while it is gone, back by itself after
+    env.nats.stop();
+    common::eventually(Duration::from_secs(10), "readyz 503", || async {
+        (common::http_status(addr, "/readyz").await == 503).then_some(())
+    })
+    .await;
+    assert_eq!(common::http_status(addr, "/healthz").await, 200);
+    env.nats.restart().await;
+    common::eventually(Duration::from_secs(20), "readyz 200 again", || async {
+        (common::http_status(addr, "/readyz").await == 200).then_some(())
+    })
+    .await;
     let outbox = key_change_outbox::Entity::find()
         .count(env.db())
         .await
         .unwrap();
     assert_eq!(outbox, 0);
-    drop(env.nats);
 }
 both_backends!(health, health_endpoints);

