@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, stream};
 use device_list_updater::config::{Config, InputSubjects};
 use device_list_updater::signing_key::SigningKey;
-use device_list_updater::testkit::{Nats, wait_for};
+use device_list_updater::testkit::{Nats, stream_len, wait_for};
 use device_list_updater::worker::{self, Faults};
 use futures::StreamExt as _;
 use sea_orm::{ActiveValue::Set, ConnectionTrait, Database, EntityTrait};
@@ -41,13 +41,6 @@ fn update(user: usize, round: usize) -> String {
                  "signatures": {}}
     })
     .to_string()
-}
-
-async fn stream_len(js: &jetstream::Context, name: &str) -> u64 {
-    match js.get_stream(name).await {
-        Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
-        Err(_) => 0,
-    }
 }
 
 async fn publish_all(js: &jetstream::Context, subject: &str, bodies: impl Iterator<Item = String>) {

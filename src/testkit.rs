@@ -104,6 +104,14 @@ impl Drop for Nats {
     }
 }
 
+/// How many messages `stream` holds (0 if it does not exist).
+pub async fn stream_len(js: &jetstream::Context, stream: &str) -> u64 {
+    match js.get_stream(stream).await {
+        Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
+        Err(_) => 0,
+    }
+}
+
 /// Polls `check` every 20 ms until it returns Some; panics after `timeout`.
 pub async fn wait_for<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
 where

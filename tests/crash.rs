@@ -79,6 +79,25 @@ impl Setup {
         command.spawn().expect("spawn worker")
     }
 
+    /// Starts a worker with `fault`, publishes one update once the worker has
+    /// created the input stream, and waits for the fault to abort it.
+    async fn crash_on_one_update(&self, js: &async_nats::jetstream::Context, fault: &str) {
+        let mut crashing = self.spawn(Some(fault));
+        common::eventually(Duration::from_secs(20), "input stream", || async {
+            js.get_stream("DEVICE_LIST_INPUT").await.ok().map(|_| ())
+        })
+        .await;
+        publish(
+            js,
+            "devicelist.in.update",
+            &change(),
+            Some("remote.example"),
+        )
+        .await;
+        let status = exits(&mut crashing).await;
+        assert!(!status.success(), "the fault aborts the worker");
+    }
+
     async fn outbox_len(&self) -> u64 {
         self.store.outbox_len().await.unwrap()
     }
@@ -118,21 +137,7 @@ fn change() -> String {
 async fn crash_between_commit_and_publish(backend: Backend) {
     let setup = Setup::new(backend).await;
     let js = setup.nats.js().await;
-    let mut crashing = setup.spawn(Some("crash_after_commit"));
-    // the worker creates the streams; publish once the input stream exists
-    common::eventually(Duration::from_secs(20), "input stream", || async {
-        js.get_stream("DEVICE_LIST_INPUT").await.ok().map(|_| ())
-    })
-    .await;
-    publish(
-        &js,
-        "devicelist.in.update",
-        &change(),
-        Some("remote.example"),
-    )
-    .await;
-    let status = exits(&mut crashing).await;
-    assert!(!status.success(), "the fault aborts the worker");
+    setup.crash_on_one_update(&js, "crash_after_commit").await;
     // committed, not published
     assert_eq!(stream_len(&js, "KEY_CHANGE").await, 0);
     assert_eq!(setup.outbox_len().await, 1);
@@ -159,20 +164,7 @@ both_backends!(commit_then_crash, crash_between_commit_and_publish);
 async fn crash_between_publish_and_outbox_delete(backend: Backend) {
     let setup = Setup::new(backend).await;
     let js = setup.nats.js().await;
-    let mut crashing = setup.spawn(Some("crash_after_publish"));
-    common::eventually(Duration::from_secs(20), "input stream", || async {
-        js.get_stream("DEVICE_LIST_INPUT").await.ok().map(|_| ())
-    })
-    .await;
-    publish(
-        &js,
-        "devicelist.in.update",
-        &change(),
-        Some("remote.example"),
-    )
-    .await;
-    let status = exits(&mut crashing).await;
-    assert!(!status.success());
+    setup.crash_on_one_update(&js, "crash_after_publish").await;
     assert_eq!(
         stream_len(&js, "KEY_CHANGE").await,
         1,

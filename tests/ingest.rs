@@ -428,3 +428,61 @@ async fn health_endpoints(backend: Backend) {
     assert_eq!(outbox, 0);
 }
 both_backends!(health, health_endpoints);
+
+/// A homeserver that owns its input stream (Dendrite's names and subject):
+/// the worker adopts it instead of creating `DEVICE_LIST_INPUT` for it.
+async fn adopts_a_homeserver_owned_stream(backend: Backend) {
+    let nats = Nats::start().await;
+    let db = TestDb::new(backend).await;
+    let js = nats.js().await;
+    js.get_or_create_stream(async_nats::jetstream::stream::Config {
+        name: "DendriteInputDeviceListUpdate".into(),
+        subjects: vec!["DendriteInputDeviceListUpdate".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut config = common::config(&nats, &db);
+    config.input.update = "DendriteInputDeviceListUpdate".into();
+    let worker = worker::start(config, Faults::default()).await.unwrap();
+    let body = json!({"user_id": ALICE, "device_id": "D1", "stream_id": 2, "prev_id": [1],
+                      "deleted": false, "keys": {"k": 1}});
+    publish(
+        &js,
+        "DendriteInputDeviceListUpdate",
+        &body.to_string(),
+        Some("remote.example"),
+    )
+    .await;
+    // unknown user: marked stale, and a fetch job is queued
+    common::eventually(Duration::from_secs(20), "stale mark", || async {
+        stale_user::Entity::find_by_id(ALICE.to_owned())
+            .one(worker.store.connection())
+            .await
+            .unwrap()
+            .map(|_| ())
+    })
+    .await;
+    let stream = js
+        .get_stream("DendriteInputDeviceListUpdate")
+        .await
+        .unwrap();
+    assert!(
+        stream
+            .get_consumer::<async_nats::jetstream::consumer::pull::Config>(
+                "device-list-updater-input"
+            )
+            .await
+            .is_ok(),
+        "the durable consumer lives on the homeserver's stream"
+    );
+    let mut ours = js.get_stream("DEVICE_LIST_INPUT").await.unwrap();
+    let subjects = ours.info().await.unwrap().config.subjects.clone();
+    assert_eq!(
+        subjects,
+        vec!["devicelist.in.>".to_owned()],
+        "only the other inputs use our stream"
+    );
+    worker.stop(Duration::from_secs(5)).await;
+}
+both_backends!(adopt_stream, adopts_a_homeserver_owned_stream);

@@ -161,13 +161,7 @@ impl Stored {
     }
 }
 
-/// How many messages `stream` holds.
-pub async fn stream_len(js: &jetstream::Context, stream: &str) -> u64 {
-    match js.get_stream(stream).await {
-        Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
-        Err(_) => 0,
-    }
-}
+pub use device_list_updater::testkit::stream_len;
 
 /// Every message of `stream`, in order.
 pub async fn read_stream(js: &jetstream::Context, stream: &str) -> Vec<Stored> {
