@@ -4,6 +4,7 @@
 pub mod batch;
 pub mod cross_signing;
 pub mod device;
+pub mod fetched;
 pub mod known_ids;
 pub mod rules;
 
