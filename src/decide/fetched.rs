@@ -129,7 +129,7 @@ pub fn plan_fetch(
             .filter(|id| !triggers_before.contains(id))
             .collect();
         let resync_requested_since = stale_at_start.is_none();
-        (!newer.is_empty() || resync_requested_since).then(|| StaleMark {
+        (!newer.is_empty() || resync_requested_since).then_some(StaleMark {
             trigger_ids: newer,
             marked_at_ms: now.marked_at_ms,
         })
