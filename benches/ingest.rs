@@ -16,10 +16,13 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, stream};
 use device_list_updater::config::{Config, InputSubjects};
 use device_list_updater::signing_key::SigningKey;
-use device_list_updater::testkit::{Nats, stream_len, wait_for};
+use device_list_updater::testkit::{
+    Nats, create_input_stream, create_postgres_database, drop_postgres_database, stream_len,
+    wait_for,
+};
 use device_list_updater::worker::{self, Faults};
 use futures::StreamExt as _;
-use sea_orm::{ActiveValue::Set, ConnectionTrait, Database, EntityTrait};
+use sea_orm::{ActiveValue::Set, EntityTrait};
 
 fn env_usize(key: &str, default: usize) -> usize {
     std::env::var(key)
@@ -151,13 +154,7 @@ async fn ingest(nats: &Nats, database_url: &str, n: usize, users: usize) -> (f64
             .await
             .expect("seed");
     }
-    js.get_or_create_stream(stream::Config {
-        name: "DEVICE_LIST_INPUT".into(),
-        subjects: vec!["devicelist.in.>".into()],
-        ..Default::default()
-    })
-    .await
-    .expect("input stream");
+    create_input_stream(&js).await;
     // round by round: every batch holds many users, each with its next update
     publish_all(
         &js,
@@ -201,16 +198,6 @@ fn worker_lease_bucket() -> &'static str {
     device_list_updater::bus::lease::BUCKET
 }
 
-async fn fresh_pg(admin: &str) -> (String, String) {
-    let name = format!("dlu_bench_{}", uuid::Uuid::new_v4().simple());
-    let db = Database::connect(admin).await.expect("PostgreSQL");
-    db.execute_unprepared(&format!("CREATE DATABASE {name}"))
-        .await
-        .expect("create");
-    let base = admin.rsplit_once('/').map(|(b, _)| b).unwrap_or(admin);
-    (format!("{base}/{name}"), name)
-}
-
 fn main() {
     // `cargo bench` passes `--bench`; there are no options to read.
     if std::env::var_os("RUST_LOG").is_some() {
@@ -227,13 +214,9 @@ fn main() {
         let bare = bare_loop(&nats, n, users).await;
         let admin = std::env::var("DLU_BENCH_PG_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-        let (pg_url, pg_name) = fresh_pg(&admin).await;
+        let (pg_url, pg_name) = create_postgres_database(&admin, "dlu_bench").await;
         let (pg, pg_time) = ingest(&nats, &pg_url, n, users).await;
-        if let Ok(db) = Database::connect(&admin).await {
-            let _ = db
-                .execute_unprepared(&format!("DROP DATABASE IF EXISTS {pg_name} WITH (FORCE)"))
-                .await;
-        }
+        drop_postgres_database(&admin, &pg_name).await;
         let dir = tempfile::tempdir().expect("dir");
         let sqlite_url = format!(
             "sqlite://{}?mode=rwc",

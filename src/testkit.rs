@@ -104,6 +104,45 @@ impl Drop for Nats {
     }
 }
 
+/// Creates `DEVICE_LIST_INPUT` ahead of a worker, to publish before it starts.
+pub async fn create_input_stream(js: &jetstream::Context) {
+    js.get_or_create_stream(jetstream::stream::Config {
+        name: "DEVICE_LIST_INPUT".into(),
+        subjects: vec!["devicelist.in.>".into()],
+        ..Default::default()
+    })
+    .await
+    .expect("input stream");
+}
+
+/// Creates an empty PostgreSQL database next to `admin_url` (a URL of an
+/// existing database); returns its URL and name.
+pub async fn create_postgres_database(admin_url: &str, prefix: &str) -> (String, String) {
+    use sea_orm::ConnectionTrait as _;
+    let name = format!("{prefix}_{}", uuid::Uuid::new_v4().simple());
+    let db = sea_orm::Database::connect(admin_url)
+        .await
+        .expect("PostgreSQL must be running");
+    db.execute_unprepared(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("create database");
+    let base = admin_url
+        .rsplit_once('/')
+        .map(|(b, _)| b)
+        .unwrap_or(admin_url);
+    (format!("{base}/{name}"), name)
+}
+
+/// Drops a database made by [`create_postgres_database`] (best effort).
+pub async fn drop_postgres_database(admin_url: &str, name: &str) {
+    use sea_orm::ConnectionTrait as _;
+    if let Ok(db) = sea_orm::Database::connect(admin_url).await {
+        let _ = db
+            .execute_unprepared(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            .await;
+    }
+}
+
 /// How many messages `stream` holds (0 if it does not exist).
 pub async fn stream_len(js: &jetstream::Context, stream: &str) -> u64 {
     match js.get_stream(stream).await {

@@ -7,14 +7,14 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer, stream};
+use async_nats::jetstream::{self, consumer};
 use device_list_updater::config::{Config, InputSubjects};
 use device_list_updater::signing_key::SigningKey;
-use sea_orm::{ConnectionTrait, Database};
 
 /// Our homeserver in tests.
 pub const OUR_SERVER: &str = "our.example";
 
+#[allow(unused_imports)] // each test crate uses a different subset
 pub use device_list_updater::testkit::Nats;
 
 /// Which database a test runs against.
@@ -56,17 +56,13 @@ impl TestDb {
                 }
             }
             Backend::Postgres => {
-                let admin = pg_admin_url();
-                let name = format!("dlu_test_{}", uuid::Uuid::new_v4().simple());
-                let db = Database::connect(&admin)
-                    .await
-                    .expect("PostgreSQL must be running");
-                db.execute_unprepared(&format!("CREATE DATABASE {name}"))
-                    .await
-                    .expect("create db");
-                let base = admin.rsplit_once('/').map(|(b, _)| b).unwrap_or(&admin);
+                let (url, name) = device_list_updater::testkit::create_postgres_database(
+                    &pg_admin_url(),
+                    "dlu_test",
+                )
+                .await;
                 TestDb {
-                    url: format!("{base}/{name}"),
+                    url,
                     _dir: None,
                     pg_name: Some(name),
                 }
@@ -88,13 +84,10 @@ impl Drop for TestDb {
             else {
                 return;
             };
-            rt.block_on(async move {
-                if let Ok(db) = Database::connect(&pg_admin_url()).await {
-                    let _ = db
-                        .execute_unprepared(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                        .await;
-                }
-            });
+            rt.block_on(device_list_updater::testkit::drop_postgres_database(
+                &pg_admin_url(),
+                &name,
+            ));
         })
         .join();
     }
@@ -123,6 +116,7 @@ pub fn config(nats: &Nats, db: &TestDb) -> Config {
     }
 }
 
+#[allow(unused_imports)] // each test crate uses a different subset
 pub use device_list_updater::testkit::wait_for as eventually;
 
 /// Publishes to JetStream and waits for the stream's ack.
@@ -161,6 +155,7 @@ impl Stored {
     }
 }
 
+#[allow(unused_imports)] // each test crate uses a different subset
 pub use device_list_updater::testkit::stream_len;
 
 /// Every message of `stream`, in order.
@@ -230,16 +225,8 @@ pub async fn wait_input_drained(js: &jetstream::Context) {
     .await;
 }
 
-/// Creates the input stream ahead of the worker (to publish before it starts).
-pub async fn create_input_stream(js: &jetstream::Context) {
-    js.get_or_create_stream(stream::Config {
-        name: "DEVICE_LIST_INPUT".into(),
-        subjects: vec!["devicelist.in.>".into()],
-        ..Default::default()
-    })
-    .await
-    .expect("input stream");
-}
+#[allow(unused_imports)] // each test crate uses a different subset
+pub use device_list_updater::testkit::create_input_stream;
 
 /// `GET path` over plain HTTP/1.1; returns the status code.
 pub async fn http_status(addr: std::net::SocketAddr, path: &str) -> u16 {
