@@ -3,22 +3,21 @@
 //! the outbox publisher → ack. Acks come last, so a crash at any point means
 //! redelivery, and redelivered updates are no-ops (SPEC §5.1.4).
 
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Context, Message};
 use futures::StreamExt as _;
 use ruma::OwnedServerName;
-use tokio::sync::{Notify, watch};
+use tokio::sync::{oneshot, watch};
 
 use crate::bus::dead_letters::{self, DeadLetter};
 use crate::bus::fetch_jobs;
 use crate::bus::lease::Lease;
+use crate::bus::publisher::OutboxHandle;
 use crate::config::InputSubjects;
-use crate::decide::Plan;
 use crate::input::{self, DeadReason, InputMessage, Parsed, Rejection};
-use crate::store::Store;
+use crate::store::{Applied, Baton, Store, Turn};
 use crate::worker::Faults;
 
 /// How long one pull waits for messages (also the longest a clean stop waits).
@@ -44,8 +43,8 @@ pub struct Ingest {
     pub batch_size: usize,
     /// Deliveries before a message is dead-lettered.
     pub max_deliver: i64,
-    /// Wakes the outbox publisher.
-    pub publisher_wake: Arc<Notify>,
+    /// Takes committed events to the outbox publisher.
+    pub outbox: OutboxHandle,
     /// Fault injection for crash tests.
     pub faults: Faults,
     /// The lease bucket: one replica consumes a stream at a time.
@@ -91,9 +90,11 @@ impl Ingest {
             };
             tracing::info!(stream = %stream_name, "this replica now consumes the input stream");
             self.wait_for_in_flight(&consumer, &shutdown).await;
+            let mut pipeline = Pipeline::default();
             while !*shutdown.borrow() && !lease.is_lost() {
-                self.pull_once(&consumer, &shutdown).await;
+                self.pull_once(&consumer, &shutdown, &mut pipeline).await;
             }
+            pipeline.finish().await;
             lease.release().await;
         }
     }
@@ -112,10 +113,16 @@ impl Ingest {
         }
     }
 
-    /// One pull request: processes what it delivers, in chunks as it arrives,
-    /// until it is complete or expires. A pull is always finished, so a clean
-    /// stop leaves no message in flight.
-    async fn pull_once(&self, consumer: &PullConsumer, shutdown: &watch::Receiver<bool>) {
+    /// One pull request: hands what it delivers to `pipeline`, in chunks as
+    /// it arrives, until it is complete or expires. The last chunk may still
+    /// be in flight when this returns, so the next pull overlaps it; the
+    /// caller finishes the pipeline before it lets go of the stream.
+    async fn pull_once(
+        &self,
+        consumer: &PullConsumer,
+        shutdown: &watch::Receiver<bool>,
+        pipeline: &mut Pipeline,
+    ) {
         let pull = consumer
             .batch()
             .max_messages(self.batch_size)
@@ -135,9 +142,9 @@ impl Ingest {
                 Some(Ok(message)) => message,
                 Some(Err(e)) => {
                     tracing::debug!(error = %e, "input pull ended with an error");
-                    return;
+                    break;
                 }
-                None => return,
+                None => break,
             };
             // Gather what follows closely. A real await (not `now_or_never`)
             // matters: tokio's cooperative budget makes a bare poll report
@@ -149,12 +156,18 @@ impl Ingest {
                     _ => break,
                 }
             }
-            self.process(chunk, shutdown).await;
+            pipeline.push(self, chunk, shutdown).await;
         }
     }
 
     /// Processes one batch; every message is acked or naked when this returns.
-    pub async fn process(&self, batch: Vec<Message>, shutdown: &watch::Receiver<bool>) {
+    /// `order` places it after the batch before it (see [`Pipeline`]).
+    async fn process(&self, batch: Vec<Message>, shutdown: &watch::Receiver<bool>, order: Order) {
+        let Order {
+            turn,
+            mut previous_done,
+            done,
+        } = order;
         let started = std::time::Instant::now();
         let size = batch.len();
         let items: Vec<Item> = batch
@@ -162,6 +175,7 @@ impl Ingest {
             .map(|message| self.check(message))
             .collect();
         if let Err(e) = self.dead_letter_rejected(&items).await {
+            // Dropping `order` tells the next batch this one gave up.
             tracing::warn!(error = %e, "dead letters not stored; batch will be redelivered");
             nak_all(
                 items.iter().map(|i| &i.message),
@@ -178,21 +192,29 @@ impl Ingest {
                 _ => None,
             })
             .collect();
-        let Some(plans) = self.apply(&items, &accepted, shutdown).await else {
+        let applied = self
+            .apply(&items, &accepted, shutdown, turn, &mut previous_done)
+            .await;
+        // Finish in order: acks and events of a batch never overtake those
+        // of the batch before it.
+        if let Some(previous) = previous_done.take() {
+            let _ = previous.await;
+        }
+        let Some(applied) = applied else {
             nak_all(items.iter().map(|i| &i.message), None).await;
             return;
         };
-        let servers: std::collections::BTreeSet<OwnedServerName> = plans
+        let servers: std::collections::BTreeSet<OwnedServerName> = applied
             .iter()
-            .flat_map(|p| p.fetch_servers.iter().cloned())
+            .flat_map(|a| a.plan.fetch_servers.iter().cloned())
             .collect();
         if !servers.is_empty() && !self.enqueue_jobs(&servers, shutdown).await {
             // Stale marks are committed; a restart rescans them.
             nak_all(items.iter().map(|i| &i.message), None).await;
             return;
         }
-        if plans.iter().any(|p| !p.events.is_empty()) {
-            self.publisher_wake.notify_one();
+        for batch in applied.into_iter().filter_map(|a| a.outbox) {
+            self.outbox.committed(batch).await;
         }
         let applied = started.elapsed();
         for item in &items {
@@ -200,6 +222,7 @@ impl Ingest {
                 tracing::warn!(error = %e, "ack failed; the message will be redelivered (a no-op)");
             }
         }
+        let _ = done.send(());
         tracing::debug!(
             messages = size,
             apply_ms = applied.as_secs_f64() * 1000.0,
@@ -276,27 +299,47 @@ impl Ingest {
         .await
     }
 
-    /// Writes the accepted messages: as one transaction normally; while the
-    /// database is down, waits (keeping the messages with progress acks);
-    /// when the database answers but refuses the batch, applies messages one
-    /// by one and dead-letters the ones it refuses. None: shutting down.
+    /// Writes the accepted messages: as one transaction normally, in `turn`
+    /// after the previous batch; while the database is down, waits (keeping
+    /// the messages with progress acks); when the database answers but
+    /// refuses the batch, applies messages one by one and dead-letters the
+    /// ones it refuses. Any try after the first waits until the previous
+    /// batch is done, so it cannot overtake it. None: shutting down.
     async fn apply(
         &self,
         items: &[Item],
         accepted: &[(usize, &InputMessage)],
         shutdown: &watch::Receiver<bool>,
-    ) -> Option<Vec<Plan>> {
+        turn: Turn,
+        previous_done: &mut Option<oneshot::Receiver<()>>,
+    ) -> Option<Vec<Applied>> {
         let messages: Vec<InputMessage> = accepted.iter().map(|(_, m)| (*m).clone()).collect();
         if messages.is_empty() {
+            turn.pass().await;
             return Some(Vec::new());
+        }
+        match self
+            .store
+            .apply_batch_in_turn(&messages, now_ms(), turn)
+            .await
+        {
+            Ok(Some(applied)) => {
+                self.crash_point();
+                return Some(vec![applied]);
+            }
+            Ok(None) => tracing::debug!("previous batch failed; retrying after it"),
+            Err(e) => tracing::debug!(error = %e, "batch failed; retrying after the previous one"),
+        }
+        if let Some(previous) = previous_done.take() {
+            let _ = previous.await;
         }
         let mut refused = 0;
         let mut wait = Duration::from_millis(100);
         loop {
             match self.store.apply_batch(&messages, now_ms()).await {
-                Ok(plan) => {
+                Ok(applied) => {
                     self.crash_point();
-                    return Some(vec![plan]);
+                    return Some(vec![applied]);
                 }
                 Err(e) if self.store.ping().await => {
                     refused += 1;
@@ -322,8 +365,8 @@ impl Ingest {
         &self,
         items: &[Item],
         accepted: &[(usize, &InputMessage)],
-    ) -> Option<Vec<Plan>> {
-        let mut plans = Vec::new();
+    ) -> Option<Vec<Applied>> {
+        let mut done = Vec::new();
         for &(index, message) in accepted {
             let mut last_error = String::new();
             let mut applied = false;
@@ -333,9 +376,9 @@ impl Ingest {
                     .apply_batch(std::slice::from_ref(message), now_ms())
                     .await
                 {
-                    Ok(plan) => {
+                    Ok(one) => {
                         self.crash_point();
-                        plans.push(plan);
+                        done.push(one);
                         applied = true;
                         break;
                     }
@@ -359,7 +402,7 @@ impl Ingest {
                 }
             }
         }
-        Some(plans)
+        Some(done)
     }
 
     async fn enqueue_jobs(
@@ -384,6 +427,63 @@ impl Ingest {
             tracing::error!("fault injection: crashing after commit, before publish and ack");
             std::process::abort();
         }
+    }
+}
+
+/// A batch's place in the pipeline.
+struct Order {
+    /// Its database turn after the previous batch.
+    turn: Turn,
+    /// Resolves when the previous batch has finished (acked or naked).
+    previous_done: Option<oneshot::Receiver<()>>,
+    /// Told when this batch has finished.
+    done: oneshot::Sender<()>,
+}
+
+/// Two batches in flight: while one commits, hands its events over and acks,
+/// the next is checked, locked, loaded and written. Their order is kept
+/// where it matters: user locks in batch order, commits in batch order (a
+/// batch whose predecessor failed rolls back and tries again after it), and
+/// acks and events in batch order.
+#[derive(Default)]
+struct Pipeline {
+    in_flight: Option<tokio::task::JoinHandle<()>>,
+    baton: Option<Baton>,
+    done: Option<oneshot::Receiver<()>>,
+}
+
+impl Pipeline {
+    /// Starts `batch` after the batches already pushed; returns once at
+    /// most one batch (this one) is still in flight.
+    async fn push(
+        &mut self,
+        ingest: &Ingest,
+        batch: Vec<Message>,
+        shutdown: &watch::Receiver<bool>,
+    ) {
+        let (turn, baton) = Turn::after(self.baton.take());
+        let (done_tx, done_rx) = oneshot::channel();
+        let order = Order {
+            turn,
+            previous_done: self.done.replace(done_rx),
+            done: done_tx,
+        };
+        self.baton = Some(baton);
+        let ingest = ingest.clone();
+        let shutdown = shutdown.clone();
+        let task = tokio::spawn(async move { ingest.process(batch, &shutdown, order).await });
+        if let Some(previous) = self.in_flight.replace(task) {
+            let _ = previous.await;
+        }
+    }
+
+    /// Waits until every pushed batch has finished.
+    async fn finish(&mut self) {
+        if let Some(last) = self.in_flight.take() {
+            let _ = last.await;
+        }
+        self.baton = None;
+        self.done = None;
     }
 }
 

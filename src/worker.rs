@@ -140,7 +140,7 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         store: store.clone(),
     };
     tasks.spawn(http::serve(listener, health, stop.clone()));
-    let publisher = Publisher::new(store.clone(), js.clone(), instance_id, faults);
+    let (publisher, outbox) = Publisher::new(store.clone(), js.clone(), instance_id, faults);
     let ingest = Ingest {
         js: js.clone(),
         store: store.clone(),
@@ -148,7 +148,7 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         subjects: config.input.clone(),
         batch_size: config.batch_size,
         max_deliver: config.max_deliver,
-        publisher_wake: publisher.waker(),
+        outbox,
         faults,
         leases,
         lease_ttl: config.lease_ttl,
@@ -157,7 +157,9 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
     for (stream, consumer) in consumers {
         tasks.spawn(ingest.clone().run(stream, consumer, stop.clone()));
     }
-    tasks.spawn(publisher.run(stop));
+    // Ends after the ingest loops (the last outbox handles) have stopped.
+    tasks.spawn(publisher.run());
+    drop(stop);
     tracing::info!(%http_addr, server_name = %config.server_name, "worker started");
     Ok(Running {
         shutdown,

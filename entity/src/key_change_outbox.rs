@@ -2,23 +2,24 @@
 
 use sea_orm::entity::prelude::*;
 
-/// One event, written in the same transaction as the change it describes.
+/// The events of one committed transaction, written in that transaction.
+///
+/// One row per transaction rather than one per event: a 1000-update batch
+/// then costs one insert and one delete instead of a thousand of each.
 #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
 #[sea_orm(table_name = "key_change_outbox")]
 pub struct Model {
-    /// Ascending id; events are published in this order.
+    /// Ascending id; rows are published in this order, events within a row
+    /// in array order.
     #[sea_orm(primary_key)]
     pub id: i64,
-    /// Owner of the changed keys (the `user_id` header).
+    /// JSON array of `{"user_id", "subject", "payload"}`, where `payload` is
+    /// the event body (a JSON object, stored verbatim).
     #[sea_orm(column_type = "Text")]
-    pub user_id: String,
-    /// `key_change.device` or `key_change.cross_signing`.
-    #[sea_orm(column_type = "Text")]
-    pub subject: String,
-    /// The JSON body to publish.
-    #[sea_orm(column_type = "Text")]
-    pub payload: String,
-    /// When the event was recorded (Unix milliseconds).
+    pub events: String,
+    /// How many events the row holds.
+    pub event_count: i32,
+    /// When the events were recorded (Unix milliseconds).
     pub created_at_ms: i64,
 }
 

@@ -89,16 +89,16 @@ impl MigrationTrait for Migration {
             .await?;
 
         // Key-change events written in the same transaction as the state they
-        // describe; the publisher sends them to KEY_CHANGE and deletes them.
+        // describe, one row per transaction; the publisher sends them to
+        // KEY_CHANGE and deletes the row.
         manager
             .create_table(
                 Table::create()
                     .table("key_change_outbox")
                     .if_not_exists()
                     .col(big_pk_auto("id"))
-                    .col(text("user_id"))
-                    .col(text("subject"))
-                    .col(text("payload"))
+                    .col(text("events"))
+                    .col(integer("event_count"))
                     .col(big_integer("created_at_ms"))
                     .to_owned(),
             )

@@ -1,113 +1,184 @@
-//! The outbox publisher: sends recorded key-change events to `KEY_CHANGE` in
-//! id order, with `Nats-Msg-Id = <instance id>-<outbox id>`, then deletes them.
-//! A crash before the delete re-sends the same ids, which the stream's
-//! duplicate window drops: nothing is lost and nothing is delivered twice.
+//! The outbox publisher: sends committed key-change events to `KEY_CHANGE`
+//! with `Nats-Msg-Id = <instance id>-<outbox row id>-<index>`, then deletes
+//! the row. A crash before the delete re-sends the same ids, which the
+//! stream's duplicate window drops: nothing is lost and nothing is delivered
+//! twice.
+//!
+//! Batches normally arrive in memory, straight from the transaction that
+//! recorded them (no read-back). The table is read in id order at start, after
+//! any failure, and every few seconds, to pick up rows left by a crash or by
+//! another replica. While a failure is being recovered, batches in memory are
+//! dropped (their rows are in the table), so events never overtake each other.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::Context;
-use tokio::sync::{Notify, watch};
+use tokio::sync::{Notify, mpsc};
+use tokio::time::Instant;
 
 use crate::store::Store;
+use crate::store::outbox::OutboxBatch;
 use crate::worker::Faults;
 
-/// Events read per round.
-const ROUND: u64 = 1000;
+/// Rows read from the table per round.
+const ROUND: u64 = 100;
+/// Committed batches that may wait in memory before writers wait.
+const QUEUE: usize = 16;
+/// How often the table is read even when nothing failed.
+const SWEEP_EVERY: Duration = Duration::from_secs(5);
+/// Longest pause between tries after a failure.
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
+
+/// Hands committed batches to the publisher. The publisher stops (after a
+/// last sweep of the table) once every handle is dropped.
+#[derive(Clone)]
+pub struct OutboxHandle {
+    queue: mpsc::Sender<OutboxBatch>,
+    sweep: Arc<Notify>,
+}
+
+impl OutboxHandle {
+    /// Queues a just-committed batch for publishing. If the publisher is gone
+    /// the rows stay in the table for the next start.
+    pub async fn committed(&self, batch: OutboxBatch) {
+        let _ = self.queue.send(batch).await;
+    }
+
+    /// Asks for a read of the table (rows were written without a batch in hand).
+    pub fn sweep(&self) {
+        self.sweep.notify_one();
+    }
+}
 
 /// Publishes the outbox.
-#[derive(Clone)]
 pub struct Publisher {
     store: Store,
     js: Context,
     instance_id: Arc<str>,
-    wake: Arc<Notify>,
+    queue: mpsc::Receiver<OutboxBatch>,
+    sweep: Arc<Notify>,
     faults: Faults,
 }
 
 impl Publisher {
-    /// A publisher for `store`'s outbox.
-    pub fn new(store: Store, js: Context, instance_id: String, faults: Faults) -> Self {
-        Publisher {
+    /// A publisher for `store`'s outbox and the handle that feeds it.
+    pub fn new(
+        store: Store,
+        js: Context,
+        instance_id: String,
+        faults: Faults,
+    ) -> (Publisher, OutboxHandle) {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let sweep = Arc::new(Notify::new());
+        let publisher = Publisher {
             store,
             js,
             instance_id: instance_id.into(),
-            wake: Arc::new(Notify::new()),
+            queue: rx,
+            sweep: sweep.clone(),
             faults,
-        }
+        };
+        (publisher, OutboxHandle { queue: tx, sweep })
     }
 
-    /// Handle to wake the publisher after a commit that recorded events.
-    pub fn waker(&self) -> Arc<Notify> {
-        self.wake.clone()
-    }
-
-    /// Runs until `shutdown` turns true, then drains once more.
-    pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
+    /// Runs until every [`OutboxHandle`] is dropped, then sweeps the table once
+    /// more.
+    pub async fn run(mut self) {
+        let mut must_sweep = true;
+        let mut pause = Duration::from_millis(100);
+        let mut last_sweep = Instant::now();
         loop {
-            if let Err(e) = self.drain().await {
-                tracing::warn!(error = %e, "outbox publish failed; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            if *shutdown.borrow() {
-                break;
+            if must_sweep || last_sweep.elapsed() >= SWEEP_EVERY {
+                // Queued batches are in the table too; dropping them keeps
+                // the order of the table.
+                while self.queue.try_recv().is_ok() {}
+                last_sweep = Instant::now();
+                match self.sweep_table().await {
+                    Ok(_) => {
+                        must_sweep = false;
+                        pause = Duration::from_millis(100);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "outbox publish failed; retrying");
+                        if self.queue.is_closed() && self.queue.is_empty() {
+                            break;
+                        }
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(MAX_RETRY_PAUSE);
+                        continue;
+                    }
+                }
             }
             tokio::select! {
-                _ = self.wake.notified() => {}
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                _ = shutdown.changed() => {}
+                batch = self.queue.recv() => match batch {
+                    Some(batch) => {
+                        if let Err(e) = self.publish(&batch).await {
+                            tracing::warn!(error = %e, "outbox publish failed; reading the table");
+                            must_sweep = true;
+                        }
+                    }
+                    None => break,
+                },
+                () = self.sweep.notified() => must_sweep = true,
+                () = tokio::time::sleep_until(last_sweep + SWEEP_EVERY) => {}
             }
         }
-        if let Err(e) = self.drain().await {
-            tracing::warn!(error = %e, "final outbox drain failed; events stay for the next start");
+        if let Err(e) = self.sweep_table().await {
+            tracing::warn!(error = %e, "final outbox sweep failed; events stay for the next start");
         }
     }
 
-    /// Publishes everything in the outbox; returns how many events were sent.
-    pub async fn drain(&self) -> Result<usize, String> {
+    /// Publishes every row of the table in id order; returns how many events
+    /// were sent.
+    pub async fn sweep_table(&self) -> Result<usize, String> {
         let mut sent = 0;
+        let mut after = 0;
         loop {
-            let events = self
+            let batches = self
                 .store
-                .outbox_pending(ROUND)
+                .outbox_pending(after, ROUND)
                 .await
                 .map_err(|e| e.to_string())?;
-            if events.is_empty() {
+            let Some(last) = batches.last() else {
                 return Ok(sent);
+            };
+            after = last.id;
+            for batch in &batches {
+                sent += self.publish(batch).await?;
             }
-            let mut acks = Vec::with_capacity(events.len());
-            for event in &events {
-                let mut headers = HeaderMap::new();
-                headers.insert("user_id", event.user_id.as_str());
-                headers.insert(
-                    async_nats::header::NATS_MESSAGE_ID,
-                    format!("{}-{}", self.instance_id, event.id).as_str(),
-                );
-                let ack = self
-                    .js
-                    .publish_with_headers(
-                        event.subject.clone(),
-                        headers,
-                        event.payload.clone().into(),
-                    )
-                    .await
-                    .map_err(|e| e.to_string())?;
-                acks.push(ack);
-            }
-            for ack in acks {
-                ack.await.map_err(|e| e.to_string())?;
-            }
-            if self.faults.crash_after_publish {
-                tracing::error!("fault injection: crashing after publish, before outbox delete");
-                std::process::abort();
-            }
-            let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
-            self.store
-                .outbox_delete(&ids)
+        }
+    }
+
+    /// Publishes one batch, waits for the stream's acks, deletes its row.
+    async fn publish(&self, batch: &OutboxBatch) -> Result<usize, String> {
+        let mut acks = Vec::with_capacity(batch.events.len());
+        for (index, event) in batch.events.iter().enumerate() {
+            let mut headers = HeaderMap::new();
+            headers.insert("user_id", event.user_id.as_str());
+            headers.insert(
+                async_nats::header::NATS_MESSAGE_ID,
+                format!("{}-{}-{index}", self.instance_id, batch.id).as_str(),
+            );
+            let ack = self
+                .js
+                .publish_with_headers(event.subject.clone(), headers, event.payload.clone().into())
                 .await
                 .map_err(|e| e.to_string())?;
-            sent += ids.len();
+            acks.push(ack);
         }
+        for ack in acks {
+            ack.await.map_err(|e| e.to_string())?;
+        }
+        if self.faults.crash_after_publish {
+            tracing::error!("fault injection: crashing after publish, before outbox delete");
+            std::process::abort();
+        }
+        self.store
+            .outbox_delete(batch.id)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(batch.events.len())
     }
 }

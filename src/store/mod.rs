@@ -16,11 +16,83 @@ use sea_orm::{
     SqliteTransactionMode, TransactionOptions, TransactionTrait,
 };
 
+use tokio::sync::oneshot;
+
 use crate::decide::{Plan, plan_batch};
 use crate::input::InputMessage;
+use outbox::OutboxBatch;
 
 /// How long a SQLite writer waits for another writer before failing.
 const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What a committed batch did.
+#[derive(Debug)]
+pub struct Applied {
+    /// The plan that was written.
+    pub plan: Plan,
+    /// Its events as recorded in the outbox (None: the plan had none).
+    pub outbox: Option<OutboxBatch>,
+}
+
+/// Where a batch stands between the batch before it and the one after it
+/// (see [`Store::apply_batch_in_turn`]). The default stands alone.
+#[derive(Debug, Default)]
+pub struct Turn {
+    /// Resolves once the previous batch holds its user locks (or gave up).
+    pub previous_locked: Option<oneshot::Receiver<()>>,
+    /// Resolves with `true` once the previous batch committed; an error or
+    /// `false` means it did not.
+    pub previous_committed: Option<oneshot::Receiver<bool>>,
+    /// Told once this batch holds its user locks.
+    pub locked: Option<oneshot::Sender<()>>,
+    /// Told once this batch committed (dropped unsent when it did not).
+    pub committed: Option<oneshot::Sender<bool>>,
+}
+
+/// What the next batch waits on, handed from each batch's turn to the next.
+#[derive(Debug)]
+pub struct Baton {
+    locked: oneshot::Receiver<()>,
+    committed: oneshot::Receiver<bool>,
+}
+
+impl Turn {
+    /// The turn of a batch that follows the one that handed over `previous`
+    /// (None: nothing to follow), and the baton for the batch after it.
+    pub fn after(previous: Option<Baton>) -> (Turn, Baton) {
+        let (locked_tx, locked) = oneshot::channel();
+        let (committed_tx, committed) = oneshot::channel();
+        let (previous_locked, previous_committed) = match previous {
+            Some(baton) => (Some(baton.locked), Some(baton.committed)),
+            None => (None, None),
+        };
+        let turn = Turn {
+            previous_locked,
+            previous_committed,
+            locked: Some(locked_tx),
+            committed: Some(committed_tx),
+        };
+        (turn, Baton { locked, committed })
+    }
+
+    /// For a batch with nothing to write: passes the previous batch's
+    /// progress on to the next one, so the next does not roll back for it.
+    pub async fn pass(self) {
+        if let Some(previous_locked) = self.previous_locked {
+            let _ = previous_locked.await;
+        }
+        if let Some(locked) = self.locked {
+            let _ = locked.send(());
+        }
+        let committed = match self.previous_committed {
+            Some(previous) => previous.await == Ok(true),
+            None => true,
+        };
+        if committed && let Some(tx) = self.committed {
+            let _ = tx.send(true);
+        }
+    }
+}
 
 /// Handle to the database.
 #[derive(Clone, Debug)]
@@ -66,9 +138,38 @@ impl Store {
         self.db.ping().await.is_ok()
     }
 
-    /// Plans and writes one batch in a single transaction; returns the plan
-    /// (its events are already in the outbox when this returns).
-    pub async fn apply_batch(&self, messages: &[InputMessage], now_ms: i64) -> Result<Plan, DbErr> {
+    /// Plans and writes one batch in a single transaction. When this returns,
+    /// the plan's events are committed in the outbox; they are also handed
+    /// back so they can be published without reading them again.
+    pub async fn apply_batch(
+        &self,
+        messages: &[InputMessage],
+        now_ms: i64,
+    ) -> Result<Applied, DbErr> {
+        let applied = self
+            .apply_batch_in_turn(messages, now_ms, Turn::default())
+            .await?;
+        applied.ok_or_else(|| DbErr::Custom("no predecessor, yet overtaken".into()))
+    }
+
+    /// [`Store::apply_batch`] for a batch that overlaps the one before it.
+    ///
+    /// It takes its user locks only after the previous batch holds its own,
+    /// so a user shared by both is applied in order; and it commits only if
+    /// the previous batch committed. Ok(None): the previous batch failed and
+    /// this one was rolled back, to be tried again once that one is done.
+    pub async fn apply_batch_in_turn(
+        &self,
+        messages: &[InputMessage],
+        now_ms: i64,
+        turn: Turn,
+    ) -> Result<Option<Applied>, DbErr> {
+        // Wait before taking a connection: SQLite has one, and holding it
+        // while the previous batch waits for it would deadlock.
+        if let Some(previous_locked) = turn.previous_locked {
+            // An error means the previous batch gave up: nothing to wait for.
+            let _ = previous_locked.await;
+        }
         let txn = self
             .db
             .begin_with_options(TransactionOptions {
@@ -82,11 +183,23 @@ impl Store {
         users.sort_unstable();
         users.dedup();
         lock_users(&txn, &users).await?;
+        if let Some(locked) = turn.locked {
+            let _ = locked.send(());
+        }
         let snapshot = load::snapshot(&txn, messages, &users).await?;
         let plan = plan_batch(snapshot, messages, now_ms);
-        write::plan(&txn, &plan, now_ms).await?;
+        let outbox = write::plan(&txn, &plan, now_ms).await?;
+        if let Some(previous_committed) = turn.previous_committed
+            && previous_committed.await != Ok(true)
+        {
+            txn.rollback().await?;
+            return Ok(None);
+        }
         txn.commit().await?;
-        Ok(plan)
+        if let Some(committed) = turn.committed {
+            let _ = committed.send(true);
+        }
+        Ok(Some(Applied { plan, outbox }))
     }
 
     /// A random id created once per database: it prefixes every `Nats-Msg-Id`

@@ -1,20 +1,23 @@
-//! Writing a [`Plan`]: upserts of the dirty rows and the outbox inserts.
+//! Writing a [`Plan`]: upserts of the dirty rows and the outbox row.
 
-use entity::{cross_signing_key, key_change_outbox, remote_device, remote_user, stale_user};
+use entity::{cross_signing_key, remote_device, remote_user, stale_user};
 use sea_orm::sea_query::OnConflict;
-use sea_orm::{ActiveValue::NotSet, ActiveValue::Set, ConnectionTrait, DbErr, EntityTrait};
+use sea_orm::{ActiveValue::Set, ConnectionTrait, DbErr, EntityTrait};
+
+use super::outbox::{self, OutboxBatch, OutboxEvent};
 
 use crate::decide::Plan;
 
 /// Rows per multi-row INSERT (PostgreSQL allows 65 535 parameters).
 const CHUNK: usize = 1000;
 
-/// Writes every dirty row of `plan` and its events.
+/// Writes every dirty row of `plan` and its events; returns the recorded
+/// outbox batch (None when the plan has no events).
 pub(super) async fn plan<C: ConnectionTrait>(
     db: &C,
     plan: &Plan,
     now_ms: i64,
-) -> Result<(), DbErr> {
+) -> Result<Option<OutboxBatch>, DbErr> {
     let users: Vec<_> = plan
         .users
         .iter()
@@ -112,21 +115,7 @@ pub(super) async fn plan<C: ConnectionTrait>(
         .exec_without_returning(db)
         .await?;
 
-    let events: Vec<_> = plan
-        .events
-        .iter()
-        .map(|event| key_change_outbox::ActiveModel {
-            id: NotSet,
-            user_id: Set(event.user_id().to_string()),
-            subject: Set(event.subject().to_owned()),
-            payload: Set(event.to_json()),
-            created_at_ms: Set(now_ms),
-        })
-        .collect();
-    for chunk in events.chunks(CHUNK) {
-        key_change_outbox::Entity::insert_many(chunk.to_vec())
-            .exec_without_returning(db)
-            .await?;
-    }
-    Ok(())
+    let events: Vec<OutboxEvent> = plan.events.iter().map(OutboxEvent::from_change).collect();
+    let id = outbox::record(db, &events, now_ms).await?;
+    Ok(id.map(|id| OutboxBatch { id, events }))
 }
