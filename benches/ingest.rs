@@ -180,6 +180,7 @@ async fn ingest(nats: &Nats, database_url: &str, n: usize, users: usize) -> (f64
         lease_ttl: Duration::from_secs(10),
         max_deliver: 10,
         ack_wait: Duration::from_secs(60),
+        fetch_concurrency: 64,
     };
     let started = Instant::now();
     let running = worker::start(config, Faults::default())

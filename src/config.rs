@@ -100,10 +100,13 @@ pub struct SettingsArgs {
     /// How long an unacked input message waits before redelivery (crashed replicas).
     #[arg(long, env = "DLU_ACK_WAIT")]
     pub ack_wait: Option<String>,
+    /// Remote servers fetched from at once by one replica.
+    #[arg(long, env = "DLU_FETCH_CONCURRENCY")]
+    pub fetch_concurrency: Option<String>,
 }
 
 impl SettingsArgs {
-    fn pairs(&self) -> [(&'static str, &Option<String>); 19] {
+    fn pairs(&self) -> [(&'static str, &Option<String>); 20] {
         [
             ("server_name", &self.server_name),
             ("signing_key_path", &self.signing_key_path),
@@ -124,6 +127,7 @@ impl SettingsArgs {
             ("lease_ttl", &self.lease_ttl),
             ("max_deliver", &self.max_deliver),
             ("ack_wait", &self.ack_wait),
+            ("fetch_concurrency", &self.fetch_concurrency),
         ]
     }
 }
@@ -210,6 +214,8 @@ pub struct Config {
     pub max_deliver: i64,
     /// Redelivery wait of unacked input.
     pub ack_wait: Duration,
+    /// Remote servers fetched from at once by one replica.
+    pub fetch_concurrency: usize,
 }
 
 /// The default database: a SQLite file in the working directory.
@@ -323,12 +329,15 @@ impl Sources {
         let defaults = InputSubjects::default();
         let batch_size: usize = self.number("batch_size", 1000)?;
         let max_deliver: i64 = self.number("max_deliver", 10)?;
-        if batch_size == 0 || max_deliver < 1 {
+        let fetch_concurrency: usize = self.number("fetch_concurrency", 256)?;
+        if batch_size == 0 || max_deliver < 1 || fetch_concurrency == 0 {
             return Err(ConfigError::Invalid {
                 key: if batch_size == 0 {
                     "batch_size"
-                } else {
+                } else if max_deliver < 1 {
                     "max_deliver"
+                } else {
+                    "fetch_concurrency"
                 }
                 .into(),
                 why: "must be at least 1".into(),
@@ -375,6 +384,7 @@ impl Sources {
             lease_ttl: self.duration("lease_ttl", Duration::from_secs(10))?,
             max_deliver,
             ack_wait: self.duration("ack_wait", Duration::from_secs(60))?,
+            fetch_concurrency,
         })
     }
 }

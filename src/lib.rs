@@ -5,6 +5,8 @@
 //!
 //! * [`input`]: raw JetStream messages become checked values or dead letters;
 //! * [`decide`]: pure rules say, per update, apply or mark the user stale;
+//! * [`fetch`]: stale lists are fetched from remote servers (signed, guarded,
+//!   with per-server back-off);
 //! * [`store`]: the plan is written with sea-orm in one transaction, with its
 //!   key-change events in an outbox;
 //! * [`bus`]: JetStream streams, consumers, fetch jobs and the outbox publisher;
@@ -14,6 +16,7 @@
 pub mod bus;
 pub mod config;
 pub mod decide;
+pub mod fetch;
 pub mod http;
 pub mod ingest;
 pub mod input;
@@ -21,4 +24,5 @@ pub mod key_change;
 pub mod signing_key;
 pub mod store;
 pub mod testkit;
+pub mod tls;
 pub mod worker;

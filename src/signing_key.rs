@@ -114,6 +114,26 @@ impl SigningKey {
         file.write_all(self.to_line().as_bytes()).map_err(io)
     }
 
+    /// The key as ruma's signing key pair (for X-Matrix request signatures).
+    pub fn key_pair(&self) -> Result<ruma::signatures::Ed25519KeyPair, KeyError> {
+        // PKCS#8 v1 wrapping of a raw Ed25519 seed (RFC 8410): a fixed
+        // 16-byte header, then the 32 seed bytes.
+        const PKCS8_PREFIX: [u8; 16] = [
+            0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22,
+            0x04, 0x20,
+        ];
+        let mut der = Vec::with_capacity(48);
+        der.extend_from_slice(&PKCS8_PREFIX);
+        der.extend_from_slice(&self.seed);
+        ruma::signatures::Ed25519KeyPair::from_der(&der, self.version.clone())
+            .map_err(|e| KeyError::Format(format!("unusable ed25519 seed: {e}")))
+    }
+
+    /// The key version (`ed25519:<version>` is its key id).
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
     /// The key file line.
     pub fn to_line(&self) -> String {
         format!(

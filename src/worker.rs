@@ -2,6 +2,7 @@
 //! cleanly. Tests start workers in-process through [`start`].
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -12,6 +13,9 @@ use tokio::task::JoinSet;
 use crate::bus::publisher::Publisher;
 use crate::bus::{self, lease, streams};
 use crate::config::Config;
+use crate::fetch::federation::{FederationClient, FederationSettings};
+use crate::fetch::jobs::{self, Fetcher};
+use crate::fetch::retry::RetryPolicy;
 use crate::http::{self, Health};
 use crate::ingest::Ingest;
 use crate::store::Store;
@@ -51,6 +55,9 @@ pub enum StartError {
     /// The health listener could not bind.
     #[error("cannot listen on {0}: {1}")]
     Http(SocketAddr, std::io::Error),
+    /// The federation client could not be set up (key or TLS).
+    #[error("{0}")]
+    Federation(String),
 }
 
 /// A running worker.
@@ -123,6 +130,18 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
             .map_err(StartError::Bus)?;
         consumers.push((stream.clone(), consumer));
     }
+    let fetch_consumer = jobs::consumer(&js).await.map_err(StartError::Bus)?;
+    let key = config
+        .signing_key
+        .key_pair()
+        .map_err(|e| StartError::Federation(e.to_string()))?;
+    let federation = FederationClient::new(FederationSettings {
+        origin: config.server_name.clone(),
+        key,
+        overrides: config.federation_overrides.clone(),
+        timeout: config.federation_timeout,
+    })
+    .map_err(StartError::Federation)?;
     let leases = lease::bucket(&js, config.lease_ttl)
         .await
         .map_err(StartError::Bus)?;
@@ -141,6 +160,25 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
     };
     tasks.spawn(http::serve(listener, health, stop.clone()));
     let (publisher, outbox) = Publisher::new(store.clone(), js.clone(), instance_id, faults);
+    let fetcher = Fetcher {
+        js: js.clone(),
+        store: store.clone(),
+        client: Arc::new(federation),
+        policy: RetryPolicy {
+            min: config.retry_min,
+            max: config.retry_max,
+        },
+        max_devices: config.max_devices,
+        concurrency: config.fetch_concurrency,
+        outbox: outbox.clone(),
+    };
+    tasks.spawn(fetcher.run(fetch_consumer, stop.clone()));
+    tasks.spawn(rescan_stale(
+        js.clone(),
+        store.clone(),
+        config.startup_spread,
+        stop.clone(),
+    ));
     let ingest = Ingest {
         js: js.clone(),
         store: store.clone(),
@@ -167,4 +205,48 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         http_addr,
         store,
     })
+}
+
+/// Start-up rescan (SPEC §5.2): enqueues a fetch job for every server that
+/// still has stale users, spread evenly over `spread` so a restart does not
+/// hit every remote server at once. Jobs already queued are refused by the
+/// stream, so replicas starting together do no double work.
+async fn rescan_stale(
+    js: jetstream::Context,
+    store: Store,
+    spread: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let servers = match store.servers_with_stale_users().await {
+        Ok(servers) => servers,
+        Err(e) => {
+            tracing::warn!(error = %e, "start-up rescan failed; stale users wait for their next update");
+            return;
+        }
+    };
+    let servers: Vec<ruma::OwnedServerName> = servers
+        .into_iter()
+        .filter_map(|s| ruma::OwnedServerName::try_from(s).ok())
+        .collect();
+    if servers.is_empty() {
+        return;
+    }
+    tracing::info!(
+        servers = servers.len(),
+        ?spread,
+        "fetching users still stale from before the start"
+    );
+    let step = spread / u32::try_from(servers.len()).unwrap_or(u32::MAX);
+    for (i, server) in servers.iter().enumerate() {
+        if i > 0 && !step.is_zero() {
+            // Pacing, not synchronisation: the spread is the point.
+            tokio::select! {
+                () = tokio::time::sleep(step) => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
+        }
+        if let Err(e) = crate::bus::fetch_jobs::enqueue(&js, [server]).await {
+            tracing::warn!(error = %e, %server, "start-up rescan could not enqueue a job");
+        }
+    }
 }

@@ -5,7 +5,7 @@
 //! message became a [`Rejection`] bound for the dead-letter stream.
 
 pub mod dead_letter;
-mod fields;
+pub(crate) mod fields;
 pub mod resync;
 pub mod signing_key;
 pub mod update;

@@ -4,6 +4,7 @@
 //! the batch's users, loads their state, runs the pure planner and writes the
 //! plan together with its key-change events (the outbox).
 
+pub mod fetched;
 mod load;
 pub mod outbox;
 mod write;

@@ -113,6 +113,7 @@ pub fn config(nats: &Nats, db: &TestDb) -> Config {
         lease_ttl: Duration::from_secs(2),
         max_deliver: 10,
         ack_wait: Duration::from_secs(2),
+        fetch_concurrency: 64,
     }
 }
 

@@ -1,6 +1,8 @@
 //! Test kit: starts a private nats-server with JetStream, for the tests, the
 //! benchmark and local runs. Not used by the worker itself.
 
+pub mod remote;
+
 use std::future::Future;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;

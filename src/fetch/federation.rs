@@ -1,0 +1,405 @@
+//! The federation client: a signed `GET /_matrix/federation/v1/user/devices/{userId}`
+//! to the server that owns the user, found by server discovery, through the
+//! outbound guard.
+//!
+//! Signing uses ruma's X-Matrix implementation (canonical JSON of the request
+//! object, ed25519). Discovery follows the server-server spec for IP literals,
+//! explicit ports and `.well-known/matrix/server` delegation (cached), then
+//! port 8448. **SRV lookups (`_matrix-fed._tcp`, `_matrix._tcp`) are not done
+//! yet**: a server that relies on SRV without a well-known file is tried on
+//! port 8448.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ruma::api::OutgoingRequestExt as _;
+use ruma::api::federation::authentication::XMatrixSigningInput;
+use ruma::api::federation::device::get_devices::v1 as get_devices;
+use ruma::signatures::Ed25519KeyPair;
+use ruma::{OwnedServerName, ServerName, UserId};
+
+use super::answer;
+use super::guard;
+use super::retry::Failure;
+use crate::decide::fetched::FetchedList;
+
+/// Largest answer body read (SPEC §5.2).
+pub const MAX_BODY: usize = 10 * 1024 * 1024;
+/// Port of a server name without one and without delegation.
+const DEFAULT_PORT: u16 = 8448;
+/// How long a well-known answer (or its absence) is trusted.
+const WELL_KNOWN_TTL: Duration = Duration::from_secs(3600);
+/// Largest well-known body read.
+const MAX_WELL_KNOWN: usize = 64 * 1024;
+
+/// A failed fetch: how to wait, and what to log.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}")]
+pub struct FetchFailure {
+    /// How the retry policy treats it.
+    pub failure: Failure,
+    /// What went wrong, for logs and RPC replies.
+    pub reason: String,
+}
+
+impl FetchFailure {
+    fn transient(reason: impl Into<String>) -> Self {
+        FetchFailure {
+            failure: Failure::Transient,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// What the client needs to know.
+pub struct FederationSettings {
+    /// Our server name (the X-Matrix `origin`).
+    pub origin: OwnedServerName,
+    /// Our signing key.
+    pub key: Ed25519KeyPair,
+    /// Fixed base URLs per server: no discovery and no guard for these.
+    pub overrides: BTreeMap<OwnedServerName, String>,
+    /// Per-request timeout.
+    pub timeout: Duration,
+}
+
+/// Signs and sends device-list requests.
+pub struct FederationClient {
+    origin: OwnedServerName,
+    key: Ed25519KeyPair,
+    overrides: BTreeMap<OwnedServerName, String>,
+    /// For discovered targets: the guard filters every DNS answer.
+    guarded: reqwest::Client,
+    /// For overridden targets (operators point these at private addresses).
+    direct: reqwest::Client,
+    well_known: Mutex<HashMap<OwnedServerName, (Instant, Option<String>)>>,
+    refused: Arc<AtomicU64>,
+}
+
+/// A reqwest DNS hook that drops every address the guard refuses.
+struct GuardedResolver {
+    refused: Arc<AtomicU64>,
+}
+
+impl reqwest::dns::Resolve for GuardedResolver {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let refused = self.refused.clone();
+        let host = name.as_str().to_owned();
+        Box::pin(async move {
+            let found: Vec<SocketAddr> =
+                tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            let allowed: Vec<SocketAddr> = found
+                .iter()
+                .copied()
+                .filter(|a| guard::is_allowed(a.ip()))
+                .collect();
+            if allowed.is_empty() {
+                refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%host, addresses = ?found, "refusing to connect: no public address");
+                return Err(format!("{host} resolves only to refused addresses").into());
+            }
+            let addrs: reqwest::dns::Addrs = Box::new(allowed.into_iter());
+            Ok(addrs)
+        })
+    }
+}
+
+/// Where a request goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Target {
+    /// `https://host:port` (or an override's URL).
+    base_url: String,
+    /// Whether it is an override (sent without the guard).
+    overridden: bool,
+}
+
+impl FederationClient {
+    /// A client; fails only if TLS cannot be set up.
+    pub fn new(settings: FederationSettings) -> Result<FederationClient, String> {
+        crate::tls::install_crypto_provider();
+        let refused = Arc::new(AtomicU64::new(0));
+        let builder = || {
+            reqwest::Client::builder()
+                .timeout(settings.timeout)
+                .connect_timeout(settings.timeout)
+                // A redirect could point anywhere, the guard included.
+                .redirect(reqwest::redirect::Policy::none())
+                .user_agent(concat!("device-list-updater/", env!("CARGO_PKG_VERSION")))
+        };
+        let guarded = builder()
+            .dns_resolver(Arc::new(GuardedResolver {
+                refused: refused.clone(),
+            }))
+            .build()
+            .map_err(|e| format!("cannot build the federation client: {e}"))?;
+        let direct = builder()
+            .build()
+            .map_err(|e| format!("cannot build the federation client: {e}"))?;
+        Ok(FederationClient {
+            origin: settings.origin,
+            key: settings.key,
+            overrides: settings.overrides,
+            guarded,
+            direct,
+            well_known: Mutex::new(HashMap::new()),
+            refused,
+        })
+    }
+
+    /// How many connections the guard has refused so far.
+    pub fn refused_connections(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Fetches `user`'s device list from its server. Returns the list and
+    /// how many device entries were unreadable.
+    pub async fn get_devices(&self, user: &UserId) -> Result<(FetchedList, usize), FetchFailure> {
+        let destination = user.server_name();
+        let target = self.target(destination).await?;
+        let request = get_devices::Request::new(user.to_owned())
+            .try_into_http_request::<Vec<u8>>(
+                &target.base_url,
+                XMatrixSigningInput::new(self.origin.clone(), destination.to_owned(), &self.key),
+                (),
+            )
+            .map_err(|e| FetchFailure::transient(format!("cannot build the request: {e}")))?;
+        let request = reqwest::Request::try_from(request.map(reqwest::Body::from))
+            .map_err(|e| FetchFailure::transient(format!("cannot build the request: {e}")))?;
+        let client = if target.overridden {
+            &self.direct
+        } else {
+            &self.guarded
+        };
+        let response = client
+            .execute(request)
+            .await
+            .map_err(|e| FetchFailure::transient(format!("{destination}: {}", error_chain(&e))))?;
+        let status = response.status();
+        let retry_after = retry_after_header(response.headers());
+        let body = read_capped(response, MAX_BODY)
+            .await
+            .map_err(|e| FetchFailure::transient(format!("{destination}: {e}")))?;
+        if status.is_success() {
+            return answer::parse(&body)
+                .map_err(|e| FetchFailure::transient(format!("{destination}: {e}")));
+        }
+        Err(status_failure(status, retry_after, &body, destination))
+    }
+
+    /// Picks where to send requests for `server`.
+    async fn target(&self, server: &ServerName) -> Result<Target, FetchFailure> {
+        if let Some(base) = self.overrides.get(server) {
+            return Ok(Target {
+                base_url: base.trim_end_matches('/').to_owned(),
+                overridden: true,
+            });
+        }
+        if let Some(target) = literal_or_port(server)? {
+            return Ok(target);
+        }
+        // A hostname without a port: delegation first.
+        let delegated = self.well_known(server).await;
+        match delegated.as_deref().map(OwnedServerName::try_from) {
+            Some(Ok(name)) => Ok(literal_or_port(&name)?.unwrap_or(Target {
+                base_url: format!("https://{}:{DEFAULT_PORT}", name.host()),
+                overridden: false,
+            })),
+            _ => Ok(Target {
+                base_url: format!("https://{}:{DEFAULT_PORT}", server.host()),
+                overridden: false,
+            }),
+        }
+    }
+
+    /// `m.server` of `https://<server>/.well-known/matrix/server`, cached.
+    async fn well_known(&self, server: &ServerName) -> Option<String> {
+        if let Ok(cache) = self.well_known.lock()
+            && let Some((at, value)) = cache.get(server)
+            && at.elapsed() < WELL_KNOWN_TTL
+        {
+            return value.clone();
+        }
+        let url = format!("https://{}/.well-known/matrix/server", server.host());
+        let value = async {
+            let response = self.guarded.get(&url).send().await.ok()?;
+            if !response.status().is_success() {
+                return None;
+            }
+            let body = read_capped(response, MAX_WELL_KNOWN).await.ok()?;
+            let json: serde_json::Value = serde_json::from_slice(&body).ok()?;
+            json.get("m.server")?.as_str().map(str::to_owned)
+        }
+        .await;
+        if let Ok(mut cache) = self.well_known.lock() {
+            cache.insert(server.to_owned(), (Instant::now(), value.clone()));
+        }
+        value
+    }
+}
+
+/// The target of an IP literal or a name with an explicit port (None for a
+/// bare hostname). IP literals are checked by the guard here, since they
+/// never reach the DNS hook.
+fn literal_or_port(server: &ServerName) -> Result<Option<Target>, FetchFailure> {
+    let host = server.host();
+    let port = server.port().unwrap_or(DEFAULT_PORT);
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = bare.parse::<IpAddr>() {
+        if !guard::is_allowed(ip) {
+            return Err(FetchFailure::transient(format!(
+                "{server}: refusing to connect to {ip}"
+            )));
+        }
+        return Ok(Some(Target {
+            base_url: format!("https://{}", SocketAddr::new(ip, port)),
+            overridden: false,
+        }));
+    }
+    Ok(server.port().map(|port| Target {
+        base_url: format!("https://{host}:{port}"),
+        overridden: false,
+    }))
+}
+
+/// Reads at most `cap` bytes of a body; more is an error.
+async fn read_capped(mut response: reqwest::Response, cap: usize) -> Result<Vec<u8>, String> {
+    if response.content_length().is_some_and(|n| n > cap as u64) {
+        return Err(format!("answer larger than {cap} bytes"));
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(|e| error_chain(&e))? {
+        if body.len() + chunk.len() > cap {
+            return Err(format!("answer larger than {cap} bytes"));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
+/// `Retry-After` in seconds (HTTP dates are rare from homeservers; ignored).
+fn retry_after_header(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    headers
+        .get(reqwest::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .map(Duration::from_secs)
+}
+
+/// How a non-2xx answer counts.
+fn status_failure(
+    status: reqwest::StatusCode,
+    retry_after: Option<Duration>,
+    body: &[u8],
+    server: &ServerName,
+) -> FetchFailure {
+    let reason = format!("{server} answered {status}");
+    if status == reqwest::StatusCode::TOO_MANY_REQUESTS {
+        let asked = serde_json::from_slice::<serde_json::Value>(body)
+            .ok()
+            .and_then(|v| v.get("retry_after_ms")?.as_u64())
+            .map(Duration::from_millis)
+            .or(retry_after);
+        return FetchFailure {
+            failure: Failure::SlowDown(asked),
+            reason,
+        };
+    }
+    if let Some(asked) = retry_after {
+        return FetchFailure {
+            failure: Failure::SlowDown(Some(asked)),
+            reason,
+        };
+    }
+    if status.is_client_error() {
+        return FetchFailure {
+            failure: Failure::Refused,
+            reason,
+        };
+    }
+    FetchFailure::transient(reason)
+}
+
+/// An error with its sources, which is where reqwest says what happened.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        source = e.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(s: &str) -> OwnedServerName {
+        OwnedServerName::try_from(s).unwrap()
+    }
+
+    #[test]
+    fn literals_and_ports() {
+        let base = |s: &str| literal_or_port(&name(s)).unwrap().map(|t| t.base_url);
+        assert_eq!(base("1.2.3.4"), Some("https://1.2.3.4:8448".into()));
+        assert_eq!(base("1.2.3.4:99"), Some("https://1.2.3.4:99".into()));
+        assert_eq!(
+            base("[2001:4860::1]:443"),
+            Some("https://[2001:4860::1]:443".into())
+        );
+        assert_eq!(
+            base("example.org:8000"),
+            Some("https://example.org:8000".into())
+        );
+        assert_eq!(base("example.org"), None);
+    }
+
+    #[test]
+    fn refused_literals() {
+        for server in [
+            "127.0.0.1",
+            "127.0.0.1:8008",
+            "10.0.0.1",
+            "[::1]:80",
+            "169.254.169.254",
+        ] {
+            assert!(literal_or_port(&name(server)).is_err(), "{server}");
+        }
+    }
+
+    #[test]
+    fn status_table() {
+        let s = name("r.example");
+        let slow = status_failure(
+            reqwest::StatusCode::TOO_MANY_REQUESTS,
+            None,
+            br#"{"errcode":"M_LIMIT_EXCEEDED","retry_after_ms":2500}"#,
+            &s,
+        );
+        assert_eq!(
+            slow.failure,
+            Failure::SlowDown(Some(Duration::from_millis(2500)))
+        );
+        let header = status_failure(
+            reqwest::StatusCode::SERVICE_UNAVAILABLE,
+            Some(Duration::from_secs(30)),
+            b"",
+            &s,
+        );
+        assert_eq!(
+            header.failure,
+            Failure::SlowDown(Some(Duration::from_secs(30)))
+        );
+        let refused = status_failure(reqwest::StatusCode::FORBIDDEN, None, b"", &s);
+        assert_eq!(refused.failure, Failure::Refused);
+        let down = status_failure(reqwest::StatusCode::BAD_GATEWAY, None, b"", &s);
+        assert_eq!(down.failure, Failure::Transient);
+    }
+}

@@ -1,0 +1,292 @@
+//! A mock fleet of remote homeservers for tests and benchmarks: one HTTP
+//! listener that plays any number of servers. Every request must carry a
+//! valid X-Matrix signature from our server for the server it is addressed
+//! to; requests that fail the check get 401 and are counted.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use ruma::api::federation::authentication::XMatrix;
+use ruma::serde::Base64;
+use ruma::signatures::{PublicKeyMap, PublicKeySet};
+
+/// One scripted answer.
+#[derive(Clone, Debug)]
+pub enum Reply {
+    /// 200 with this JSON body.
+    Json(serde_json::Value),
+    /// This status and JSON body, with an optional `Retry-After` (seconds).
+    Status(u16, serde_json::Value, Option<u64>),
+    /// 200 with this raw body.
+    Raw(Vec<u8>),
+    /// Never answers.
+    Hang,
+}
+
+#[derive(Default)]
+struct Fleet {
+    /// Answers per user; the last one repeats.
+    replies: HashMap<String, VecDeque<Reply>>,
+    /// Requests per user that passed the signature check.
+    requests: HashMap<String, usize>,
+    /// Requests in flight per destination server, and the most ever seen.
+    in_flight: HashMap<String, usize>,
+    max_in_flight: HashMap<String, usize>,
+    /// Requests that failed the X-Matrix check.
+    bad_signatures: usize,
+    /// When each request per user arrived.
+    times: HashMap<String, Vec<std::time::Instant>>,
+}
+
+/// The fleet's shared state and settings.
+#[derive(Clone)]
+struct Shared {
+    fleet: Arc<Mutex<Fleet>>,
+    origin: String,
+    keys: PublicKeyMap,
+    latency: Duration,
+}
+
+/// A running mock fleet.
+pub struct MockFederation {
+    /// Where it listens: point `DLU_FEDERATION_OVERRIDES` at `http://<addr>`.
+    pub addr: SocketAddr,
+    shared: Shared,
+    _server: tokio::task::JoinHandle<()>,
+}
+
+impl MockFederation {
+    /// Starts a fleet that accepts requests signed by `origin` with the key
+    /// `ed25519:<key_version>` whose public half is `public_key`, and answers
+    /// each after `latency`.
+    pub async fn start(
+        origin: &str,
+        key_version: &str,
+        public_key: [u8; 32],
+        latency: Duration,
+    ) -> MockFederation {
+        let mut set = PublicKeySet::new();
+        set.insert(
+            format!("ed25519:{key_version}"),
+            Base64::new(public_key.to_vec()),
+        );
+        let mut keys = PublicKeyMap::new();
+        keys.insert(origin.to_owned(), set);
+        let shared = Shared {
+            fleet: Arc::new(Mutex::new(Fleet::default())),
+            origin: origin.to_owned(),
+            keys,
+            latency,
+        };
+        let app = axum::Router::new()
+            .route(
+                "/_matrix/federation/v1/user/devices/{user_id}",
+                axum::routing::get(devices),
+            )
+            .with_state(shared.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind mock federation");
+        let addr = listener.local_addr().expect("mock address");
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        MockFederation {
+            addr,
+            shared,
+            _server: server,
+        }
+    }
+
+    /// `http://<addr>`, for overrides.
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Scripts the answers for `user`, in order; the last one repeats.
+    pub fn script(&self, user: &str, replies: Vec<Reply>) {
+        self.lock().replies.insert(user.to_owned(), replies.into());
+    }
+
+    /// Requests for `user` that passed the signature check.
+    pub fn requests(&self, user: &str) -> usize {
+        self.lock().requests.get(user).copied().unwrap_or(0)
+    }
+
+    /// When each request for `user` arrived.
+    pub fn request_times(&self, user: &str) -> Vec<std::time::Instant> {
+        self.lock().times.get(user).cloned().unwrap_or_default()
+    }
+
+    /// All requests that passed the signature check.
+    pub fn total_requests(&self) -> usize {
+        self.lock().requests.values().sum()
+    }
+
+    /// The most requests ever in flight at once for `server`.
+    pub fn max_in_flight(&self, server: &str) -> usize {
+        self.lock().max_in_flight.get(server).copied().unwrap_or(0)
+    }
+
+    /// The most requests ever in flight at once for any one server.
+    pub fn max_in_flight_any(&self) -> usize {
+        self.lock()
+            .max_in_flight
+            .values()
+            .copied()
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Requests rejected for a missing or bad X-Matrix signature.
+    pub fn bad_signatures(&self) -> usize {
+        self.lock().bad_signatures
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Fleet> {
+        self.shared
+            .fleet
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Checks the X-Matrix header; returns the destination server.
+fn verify(shared: &Shared, method: &Method, uri: &Uri, headers: &HeaderMap) -> Option<String> {
+    let x_matrix = XMatrix::extract_from_http_headers(headers).ok()?;
+    if x_matrix.origin.as_str() != shared.origin {
+        return None;
+    }
+    let destination = x_matrix.destination.clone()?;
+    let path = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let request = http::Request::builder()
+        .method(method.clone())
+        .uri(path)
+        .body(Vec::<u8>::new())
+        .ok()?;
+    x_matrix
+        .verify_http_request(&request, &destination, &shared.keys)
+        .ok()?;
+    Some(destination.to_string())
+}
+
+async fn devices(
+    State(shared): State<Shared>,
+    Path(user_id): Path<String>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    let Some(destination) = verify(&shared, &method, &uri, &headers) else {
+        if let Ok(mut fleet) = shared.fleet.lock() {
+            fleet.bad_signatures += 1;
+        }
+        return (StatusCode::UNAUTHORIZED, "bad X-Matrix").into_response();
+    };
+    let reply = {
+        let mut fleet = shared
+            .fleet
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *fleet.requests.entry(user_id.clone()).or_default() += 1;
+        fleet
+            .times
+            .entry(user_id.clone())
+            .or_default()
+            .push(std::time::Instant::now());
+        let now = {
+            let n = fleet.in_flight.entry(destination.clone()).or_default();
+            *n += 1;
+            *n
+        };
+        let max = fleet.max_in_flight.entry(destination.clone()).or_default();
+        *max = (*max).max(now);
+        let queue = fleet.replies.entry(user_id.clone()).or_default();
+        if queue.len() > 1 {
+            queue.pop_front()
+        } else {
+            queue.front().cloned()
+        }
+    };
+    if !shared.latency.is_zero() {
+        tokio::time::sleep(shared.latency).await;
+    }
+    let response = match reply {
+        None => (
+            StatusCode::NOT_FOUND,
+            axum::Json(serde_json::json!({"errcode": "M_NOT_FOUND"})),
+        )
+            .into_response(),
+        Some(Reply::Json(body)) => axum::Json(body).into_response(),
+        Some(Reply::Raw(bytes)) => Response::new(Body::from(bytes)),
+        Some(Reply::Status(code, body, retry_after)) => {
+            let mut response = (
+                StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                axum::Json(body),
+            )
+                .into_response();
+            if let Some(seconds) = retry_after
+                && let Ok(value) = seconds.to_string().parse()
+            {
+                response.headers_mut().insert("retry-after", value);
+            }
+            response
+        }
+        Some(Reply::Hang) => {
+            // Leave the request counted in flight: a hanging server is busy.
+            std::future::pending::<()>().await;
+            unreachable!()
+        }
+    };
+    if let Ok(mut fleet) = shared.fleet.lock()
+        && let Some(n) = fleet.in_flight.get_mut(&destination)
+    {
+        *n -= 1;
+    }
+    response
+}
+
+/// A device-list answer for `user` with `devices` (device id, display name),
+/// each with keys that name the user and the device.
+pub fn device_list(user: &str, stream_id: i64, devices: &[(&str, &str)]) -> serde_json::Value {
+    let devices: Vec<serde_json::Value> = devices
+        .iter()
+        .map(|(device, name)| {
+            serde_json::json!({
+                "device_id": device,
+                "device_display_name": name,
+                "keys": device_keys(user, device),
+            })
+        })
+        .collect();
+    serde_json::json!({"user_id": user, "stream_id": stream_id, "devices": devices})
+}
+
+/// Device keys that name `user` and `device`.
+pub fn device_keys(user: &str, device: &str) -> serde_json::Value {
+    serde_json::json!({
+        "user_id": user, "device_id": device,
+        "algorithms": ["m.olm.v1.curve25519-aes-sha2", "m.megolm.v1.aes-sha2"],
+        "keys": {format!("curve25519:{device}"): "3C5BFWi2Y8MaVvjM8M22DBmh24PmgR0nPvJOIArzgyI",
+                 format!("ed25519:{device}"): format!("lEuiRJBit0IG6nUf5pUzWTUEsRVVe{device}")},
+        "signatures": {}
+    })
+}
+
+/// Overrides mapping each of `servers` to the fleet.
+pub fn overrides_for<'a>(
+    fleet: &MockFederation,
+    servers: impl IntoIterator<Item = &'a str>,
+) -> BTreeMap<ruma::OwnedServerName, String> {
+    servers
+        .into_iter()
+        .filter_map(|s| ruma::OwnedServerName::try_from(s).ok())
+        .map(|s| (s, fleet.base_url()))
+        .collect()
+}
