@@ -130,7 +130,9 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
             .map_err(StartError::Bus)?;
         consumers.push((stream.clone(), consumer));
     }
-    let fetch_consumer = jobs::consumer(&js).await.map_err(StartError::Bus)?;
+    let fetch_consumer = jobs::consumer(&js, config.ack_wait)
+        .await
+        .map_err(StartError::Bus)?;
     let key = config
         .signing_key
         .key_pair()
@@ -171,6 +173,7 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         max_devices: config.max_devices,
         concurrency: config.fetch_concurrency,
         outbox: outbox.clone(),
+        ack_wait: config.ack_wait,
     };
     tasks.spawn(fetcher.run(fetch_consumer, stop.clone()));
     tasks.spawn(rescan_stale(

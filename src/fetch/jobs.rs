@@ -30,15 +30,14 @@ use crate::store::Store;
 pub const FETCH_CONSUMER: &str = "device-list-updater-fetch";
 /// Stale users read per round of a job.
 const USERS_PER_ROUND: u64 = 100;
-/// How long a job may go without a progress ack before it is redelivered.
-const JOB_ACK_WAIT: Duration = Duration::from_secs(30);
 /// Jobs that may be pending (delivered, or NAK-delayed) at once.
 const MAX_PENDING_JOBS: i64 = 1_000_000;
 /// How long one pull waits.
 const PULL_EXPIRY: Duration = Duration::from_secs(1);
 
-/// Creates (or opens) the shared fetch-job consumer.
-pub async fn consumer(js: &Context) -> Result<PullConsumer, String> {
+/// Creates (or opens) the shared fetch-job consumer. A job whose replica
+/// stops sending progress acks (it died) is redelivered after `ack_wait`.
+pub async fn consumer(js: &Context, ack_wait: Duration) -> Result<PullConsumer, String> {
     let stream = js
         .get_stream(FETCH_STREAM)
         .await
@@ -47,7 +46,7 @@ pub async fn consumer(js: &Context) -> Result<PullConsumer, String> {
         durable_name: Some(FETCH_CONSUMER.into()),
         description: Some("device-list-updater: per-server fetch jobs".into()),
         ack_policy: AckPolicy::Explicit,
-        ack_wait: JOB_ACK_WAIT,
+        ack_wait,
         // Jobs are retried for as long as the server fails, with back-off.
         max_deliver: -1,
         max_ack_pending: MAX_PENDING_JOBS,
@@ -76,6 +75,8 @@ pub struct Fetcher {
     pub concurrency: usize,
     /// Takes committed events to the publisher.
     pub outbox: OutboxHandle,
+    /// The consumer's ack wait: progress acks go out three times per period.
+    pub ack_wait: Duration,
 }
 
 /// How one job ended.
@@ -159,7 +160,7 @@ impl Fetcher {
             .map(|i| u32::try_from(i.delivered).unwrap_or(u32::MAX))
             .unwrap_or(1);
         let end = {
-            let keep_alive = keep_alive(&message);
+            let keep_alive = keep_alive(&message, self.ack_wait / 3);
             let end = self.run_job(&job.server_name, failures, &shutdown).await;
             keep_alive.abort();
             end
@@ -283,12 +284,13 @@ impl Fetcher {
     }
 }
 
-/// Sends progress acks so a job survives slow servers; abort it when done.
-fn keep_alive(message: &Message) -> tokio::task::AbortHandle {
+/// Sends progress acks every `every` so a job survives slow servers; abort
+/// it when done.
+fn keep_alive(message: &Message, every: Duration) -> tokio::task::AbortHandle {
     let message = message.clone();
     tokio::spawn(async move {
         loop {
-            tokio::time::sleep(JOB_ACK_WAIT / 3).await;
+            tokio::time::sleep(every).await;
             if message.ack_with(AckKind::Progress).await.is_err() {
                 return;
             }

@@ -1,0 +1,255 @@
+//! Fetching at scale and under failure: two replicas never send two requests
+//! to one server at once; servers in long back-off do not hold up healthy
+//! ones; a replica killed mid-fetch loses and duplicates nothing.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::{Backend, Nats, TestDb, publish, read_stream};
+use device_list_updater::signing_key::SigningKey;
+use device_list_updater::store::Store;
+use device_list_updater::testkit::remote::{MockFederation, Reply, device_list, overrides_for};
+use device_list_updater::worker::{self, Faults};
+use entity::stale_user;
+use sea_orm::{EntityTrait, PaginatorTrait};
+use serde_json::json;
+
+async fn resync_all(js: &async_nats::jetstream::Context, users: &[String]) {
+    let mut acks = Vec::new();
+    for user in users {
+        let body = json!({"user_id": user}).to_string();
+        acks.push(
+            js.publish("devicelist.in.resync", body.into())
+                .await
+                .expect("publish"),
+        );
+    }
+    for ack in acks {
+        ack.await.expect("publish ack");
+    }
+}
+
+async fn stale_count(store: &Store) -> u64 {
+    stale_user::Entity::find()
+        .count(store.connection())
+        .await
+        .expect("count")
+}
+
+fn fleet_users(servers: usize, per_server: usize) -> (Vec<String>, Vec<String>) {
+    let servers: Vec<String> = (0..servers).map(|s| format!("s{s}.example")).collect();
+    let users = servers
+        .iter()
+        .flat_map(|s| (0..per_server).map(move |u| format!("@u{u}:{s}")))
+        .collect();
+    (servers, users)
+}
+
+/// 50 servers × 4 stale users, 100 ms per answer, two replicas: no server
+/// ever sees two requests at once, and every user ends fresh.
+async fn one_request_per_server(backend: Backend) {
+    let nats = Nats::start().await;
+    let db = TestDb::new(backend).await;
+    let mut config = common::config(&nats, &db);
+    let pair = config.signing_key.key_pair().unwrap();
+    let fleet = MockFederation::start(
+        common::OUR_SERVER,
+        config.signing_key.version(),
+        pair.public_key(),
+        Duration::from_millis(100),
+    )
+    .await;
+    let (servers, users) = fleet_users(50, 4);
+    config.federation_overrides = overrides_for(&fleet, servers.iter().map(String::as_str));
+    for user in &users {
+        fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
+    }
+    let first = worker::start(config.clone(), Faults::default())
+        .await
+        .unwrap();
+    let second = worker::start(config, Faults::default()).await.unwrap();
+    let js = nats.js().await;
+    resync_all(&js, &users).await;
+    common::eventually(Duration::from_secs(60), "every user fresh", || async {
+        (fleet.total_requests() >= users.len() && stale_count(&first.store).await == 0)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(
+        fleet.max_in_flight_any(),
+        1,
+        "two requests to one server at once"
+    );
+    assert_eq!(fleet.bad_signatures(), 0);
+    for user in &users {
+        assert_eq!(fleet.requests(user), 1, "{user} fetched more than once");
+    }
+    first.stop(Duration::from_secs(10)).await;
+    second.stop(Duration::from_secs(10)).await;
+}
+both_backends!(exclusive, one_request_per_server);
+
+/// 1,000 servers fail and back off for ten minutes; a user on a healthy
+/// server is still fetched at once.
+async fn backoff_does_not_block_healthy_servers(backend: Backend) {
+    let nats = Nats::start().await;
+    let db = TestDb::new(backend).await;
+    let mut config = common::config(&nats, &db);
+    config.retry_min = Duration::from_secs(600);
+    config.retry_max = Duration::from_secs(3600);
+    let pair = config.signing_key.key_pair().unwrap();
+    let fleet = MockFederation::start(
+        common::OUR_SERVER,
+        config.signing_key.version(),
+        pair.public_key(),
+        Duration::ZERO,
+    )
+    .await;
+    let (servers, users) = fleet_users(1000, 1);
+    let healthy = "@alice:healthy.example";
+    config.federation_overrides = overrides_for(
+        &fleet,
+        servers
+            .iter()
+            .map(String::as_str)
+            .chain(["healthy.example"]),
+    );
+    for user in &users {
+        fleet.script(
+            user,
+            vec![Reply::Status(500, json!({"errcode": "M_UNKNOWN"}), None)],
+        );
+    }
+    fleet.script(
+        healthy,
+        vec![Reply::Json(device_list(healthy, 1, &[("D", "P")]))],
+    );
+    let running = worker::start(config, Faults::default()).await.unwrap();
+    let js = nats.js().await;
+    resync_all(&js, &users).await;
+    common::eventually(
+        Duration::from_secs(60),
+        "every failing server tried",
+        || async { (fleet.total_requests() >= users.len()).then_some(()) },
+    )
+    .await;
+    resync_all(&js, &[healthy.to_owned()]).await;
+    common::eventually(
+        Duration::from_secs(10),
+        "the healthy user fetched",
+        || async {
+            let mark = stale_user::Entity::find_by_id(healthy.to_owned())
+                .one(running.store.connection())
+                .await
+                .ok()?;
+            (fleet.requests(healthy) == 1 && mark.is_none()).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        stale_count(&running.store).await,
+        1000,
+        "the failing users stay stale"
+    );
+    running.stop(Duration::from_secs(10)).await;
+}
+both_backends!(backoff_isolated, backoff_does_not_block_healthy_servers);
+
+/// A replica is killed (SIGKILL) with fetches pending; after a restart every
+/// user ends fresh and `KEY_CHANGE` holds each user's event exactly once.
+async fn kill_during_fetches(backend: Backend) {
+    let nats = Nats::start().await;
+    let db = TestDb::new(backend).await;
+    let key_dir = tempfile::tempdir().unwrap();
+    let key = SigningKey::generate().unwrap();
+    key.write_new(&key_dir.path().join("signing.key")).unwrap();
+    let pair = key.key_pair().unwrap();
+    let fleet = MockFederation::start(
+        common::OUR_SERVER,
+        key.version(),
+        pair.public_key(),
+        Duration::from_millis(100),
+    )
+    .await;
+    let (servers, users) = fleet_users(10, 10);
+    for user in &users {
+        fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
+    }
+    let overrides: Vec<String> = servers
+        .iter()
+        .map(|s| format!("{s}={}", fleet.base_url()))
+        .collect();
+    let spawn = || {
+        tokio::process::Command::new(common::binary())
+            .arg("run")
+            .env("DLU_SERVER_NAME", common::OUR_SERVER)
+            .env("DLU_SIGNING_KEY_PATH", key_dir.path().join("signing.key"))
+            .env("DLU_DATABASE_URL", &db.url)
+            .env("DLU_NATS_URL", &nats.url)
+            .env("DLU_HTTP_ADDR", "127.0.0.1:0")
+            .env("DLU_FEDERATION_OVERRIDES", overrides.join(","))
+            .env("DLU_LEASE_TTL", "2s")
+            .env("DLU_ACK_WAIT", "1s")
+            .env("DLU_STARTUP_SPREAD", "0s")
+            .env("RUST_LOG", "warn")
+            .env_remove("DLU_FAULT")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn worker")
+    };
+    let mut child = spawn();
+    let js = nats.js().await;
+    common::eventually(Duration::from_secs(20), "input stream", || async {
+        js.get_stream("DEVICE_LIST_INPUT").await.ok().map(|_| ())
+    })
+    .await;
+    resync_all(&js, &users).await;
+    // Kill once some, but not all, users have been fetched.
+    common::eventually(Duration::from_secs(30), "fetching under way", || async {
+        (fleet.total_requests() >= 15).then_some(())
+    })
+    .await;
+    child.start_kill().expect("kill");
+    let _ = child.wait().await;
+    assert!(
+        fleet.total_requests() < users.len(),
+        "killed too late to test anything"
+    );
+
+    let mut restarted = spawn();
+    let store = worker::open_store(&db.url, Duration::from_secs(10))
+        .await
+        .unwrap();
+    common::eventually(
+        Duration::from_secs(60),
+        "every user fresh, outbox empty",
+        || async {
+            let stale = stale_count(&store).await;
+            let outbox = store.outbox_len().await.ok()?;
+            (stale == 0 && outbox == 0).then_some(())
+        },
+    )
+    .await;
+    common::eventually(Duration::from_secs(20), "one event per user", || async {
+        (common::stream_len(&js, "KEY_CHANGE").await >= users.len() as u64).then_some(())
+    })
+    .await;
+    let mut per_user: BTreeMap<String, usize> = BTreeMap::new();
+    for event in read_stream(&js, "KEY_CHANGE").await {
+        *per_user
+            .entry(event.json["user_id"].as_str().unwrap_or("?").to_owned())
+            .or_default() += 1;
+    }
+    assert_eq!(per_user.len(), users.len(), "an event is missing");
+    assert!(
+        per_user.values().all(|n| *n == 1),
+        "duplicated events: {per_user:?}"
+    );
+    restarted.start_kill().expect("kill");
+}
+both_backends!(killed_replica, kill_during_fetches);
