@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::{Backend, Nats, TestDb, publish, read_stream};
+use common::{Backend, Nats, TestDb, read_stream};
 use device_list_updater::signing_key::SigningKey;
 use device_list_updater::store::Store;
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_list, overrides_for};
