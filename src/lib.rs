@@ -11,6 +11,7 @@
 //!   key-change events in an outbox;
 //! * [`bus`]: JetStream streams, consumers, fetch jobs and the outbox publisher;
 //! * [`ingest`]: the batch loop that ties them together;
+//! * [`rpc`]: the query and resync request-reply subjects;
 //! * [`worker`]: starts everything for `device-list-updater run`.
 
 pub mod bus;
@@ -21,6 +22,7 @@ pub mod http;
 pub mod ingest;
 pub mod input;
 pub mod key_change;
+pub mod rpc;
 pub mod signing_key;
 pub mod store;
 pub mod testkit;

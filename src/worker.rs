@@ -176,6 +176,13 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         ack_wait: config.ack_wait,
     };
     tasks.spawn(fetcher.run(fetch_consumer, stop.clone()));
+    let rpc = crate::rpc::Rpc {
+        client: client.clone(),
+        js: js.clone(),
+        store: store.clone(),
+        own_server: config.server_name.clone(),
+    };
+    tasks.spawn(rpc.run(stop.clone()));
     tasks.spawn(rescan_stale(
         js.clone(),
         store.clone(),

@@ -18,6 +18,9 @@ pub struct Model {
     /// they count as known once a fetch succeeds.
     #[sea_orm(column_type = "Text")]
     pub trigger_stream_ids: String,
+    /// Why the last fetch of this user failed (None: not tried yet).
+    #[sea_orm(column_type = "Text", nullable)]
+    pub last_error: Option<String>,
 }
 
 /// No relations are declared.

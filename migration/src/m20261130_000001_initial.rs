@@ -61,6 +61,7 @@ impl MigrationTrait for Migration {
                     .col(text("server_name"))
                     .col(big_integer("marked_at_ms"))
                     .col(text("trigger_stream_ids"))
+                    .col(text_null("last_error"))
                     .to_owned(),
             )
             .await?;

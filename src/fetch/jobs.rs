@@ -236,6 +236,9 @@ impl Fetcher {
                 }
                 if let Err(failure) = self.fetch_user(&user, &mark).await {
                     tracing::info!(%user, reason = %failure.reason, "fetch failed");
+                    if let Err(e) = self.store.note_fetch_error(&user, &failure.reason).await {
+                        tracing::debug!(error = %e, "cannot record the fetch error");
+                    }
                     let delay = self.policy.delay(failures, failure.failure);
                     let unit = f64::from(getrandom::u32().unwrap_or(0)) / f64::from(u32::MAX);
                     return JobEnd::Failed(spread(delay, 0.1, unit));

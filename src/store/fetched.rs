@@ -60,6 +60,33 @@ impl Store {
             .await
     }
 
+    /// Records why fetching `user` failed (shown by the resync RPC).
+    pub async fn note_fetch_error(&self, user: &UserId, error: &str) -> Result<(), DbErr> {
+        use sea_orm::sea_query::Expr;
+        stale_user::Entity::update_many()
+            .col_expr(stale_user::Column::LastError, Expr::value(error.to_owned()))
+            .filter(stale_user::Column::UserId.eq(user.as_str()))
+            .exec(&self.db)
+            .await?;
+        Ok(())
+    }
+
+    /// The user's stale row now: its mark and the last fetch error.
+    pub async fn stale_state(
+        &self,
+        user: &UserId,
+    ) -> Result<Option<(StaleMark, Option<String>)>, DbErr> {
+        Ok(stale_user::Entity::find_by_id(user.as_str().to_owned())
+            .one(&self.db)
+            .await?
+            .map(|row| {
+                (
+                    stale_mark(row.marked_at_ms, &row.trigger_stream_ids),
+                    row.last_error,
+                )
+            }))
+    }
+
     /// The user's stale mark now, if any.
     pub async fn stale_mark(&self, user: &UserId) -> Result<Option<StaleMark>, DbErr> {
         Ok(stale_user::Entity::find_by_id(user.as_str().to_owned())

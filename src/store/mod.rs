@@ -7,6 +7,7 @@
 pub mod fetched;
 mod load;
 pub mod outbox;
+pub mod query;
 mod write;
 
 use std::time::Duration;

@@ -2,7 +2,7 @@
 
 use entity::{cross_signing_key, remote_device, remote_user, stale_user};
 use sea_orm::sea_query::OnConflict;
-use sea_orm::{ActiveValue::Set, ConnectionTrait, DbErr, EntityTrait};
+use sea_orm::{ActiveValue::NotSet, ActiveValue::Set, ConnectionTrait, DbErr, EntityTrait};
 
 use super::outbox::{self, OutboxBatch, OutboxEvent};
 
@@ -81,6 +81,7 @@ pub(super) async fn plan<C: ConnectionTrait>(
             server_name: Set(user.server_name().to_string()),
             marked_at_ms: Set(mark.marked_at_ms),
             trigger_stream_ids: Set(serde_json::to_string(&mark.trigger_ids).unwrap_or_default()),
+            last_error: NotSet,
         })
         .collect();
     for chunk in stale.chunks(CHUNK) {

@@ -1,0 +1,251 @@
+//! Request-reply over core NATS (SPEC §4.4), queue group `device-list-updater`:
+//!
+//! * `devicelist.rpc.query`: what is stored about some users;
+//! * `devicelist.rpc.resync`: mark a user stale, fetch it (one request per
+//!   server still holds: the job goes through the fetch queue) and reply once
+//!   it is stored or the timeout passes.
+//!
+//! A request that cannot be read gets `{"error": "..."}`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use ruma::{OwnedServerName, OwnedUserId};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use tokio::sync::watch;
+
+use crate::bus::fetch_jobs;
+use crate::input::{InputMessage, ResyncRequest};
+use crate::store::Store;
+use crate::store::query::UserView;
+
+/// Subject of the query RPC.
+pub const QUERY_SUBJECT: &str = "devicelist.rpc.query";
+/// Subject of the resync RPC.
+pub const RESYNC_SUBJECT: &str = "devicelist.rpc.resync";
+/// Queue group shared by all replicas.
+pub const QUEUE_GROUP: &str = "device-list-updater";
+/// Most users in one query.
+pub const MAX_QUERY_USERS: usize = 1000;
+/// Resync wait when the request gives none.
+const DEFAULT_RESYNC_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest resync wait accepted.
+const MAX_RESYNC_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// What the RPC handlers need.
+#[derive(Clone)]
+pub struct Rpc {
+    /// Core NATS (subscriptions and replies).
+    pub client: async_nats::Client,
+    /// JetStream (fetch jobs).
+    pub js: async_nats::jetstream::Context,
+    /// The database.
+    pub store: Store,
+    /// Our server: its users are not fetched.
+    pub own_server: OwnedServerName,
+}
+
+#[derive(Deserialize)]
+struct QueryRequest {
+    user_ids: Vec<String>,
+}
+
+#[derive(Serialize)]
+struct QueryReply<'a> {
+    users: BTreeMap<&'a str, UserWire<'a>>,
+}
+
+#[derive(Serialize)]
+struct UserWire<'a> {
+    tracked: bool,
+    stale: bool,
+    stream_id: Option<i64>,
+    devices: BTreeMap<&'a str, DeviceWire<'a>>,
+    master_key: Option<Box<RawValue>>,
+    self_signing_key: Option<Box<RawValue>>,
+}
+
+#[derive(Serialize)]
+struct DeviceWire<'a> {
+    display_name: Option<&'a str>,
+    keys: Option<Box<RawValue>>,
+}
+
+#[derive(Deserialize)]
+struct ResyncRpcRequest {
+    user_id: String,
+    timeout_ms: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct ResyncReply<'a> {
+    user_id: &'a str,
+    synced: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+fn raw(json: Option<&str>) -> Option<Box<RawValue>> {
+    json.and_then(|j| RawValue::from_string(j.to_owned()).ok())
+}
+
+fn error_reply(error: impl std::fmt::Display) -> Vec<u8> {
+    serde_json::json!({"error": error.to_string()})
+        .to_string()
+        .into_bytes()
+}
+
+impl Rpc {
+    /// Serves both RPCs until `shutdown` turns true.
+    pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
+        let subscribe =
+            |subject: &'static str| self.client.queue_subscribe(subject, QUEUE_GROUP.to_owned());
+        let (mut query, mut resync) = match (
+            subscribe(QUERY_SUBJECT).await,
+            subscribe(RESYNC_SUBJECT).await,
+        ) {
+            (Ok(q), Ok(r)) => (q, r),
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::error!(error = %e, "cannot subscribe to the RPC subjects");
+                return;
+            }
+        };
+        let mut running = tokio::task::JoinSet::new();
+        loop {
+            tokio::select! {
+                Some(message) = query.next() => {
+                    let this = self.clone();
+                    running.spawn(async move { this.reply(&message, this.query(&message.payload).await).await });
+                }
+                Some(message) = resync.next() => {
+                    let this = self.clone();
+                    running.spawn(async move { this.reply(&message, this.resync(&message.payload).await).await });
+                }
+                _ = shutdown.wait_for(|s| *s) => break,
+                else => break,
+            }
+            while running.try_join_next().is_some() {}
+        }
+        running.abort_all();
+    }
+
+    async fn reply(&self, message: &async_nats::Message, body: Vec<u8>) {
+        let Some(reply) = &message.reply else { return };
+        if let Err(e) = self.client.publish(reply.clone(), body.into()).await {
+            tracing::warn!(error = %e, "cannot send an RPC reply");
+        }
+    }
+
+    /// Answers a query request.
+    pub async fn query(&self, body: &[u8]) -> Vec<u8> {
+        let request: QueryRequest = match serde_json::from_slice(body) {
+            Ok(r) => r,
+            Err(e) => return error_reply(format!("expected {{\"user_ids\": [...]}}: {e}")),
+        };
+        if request.user_ids.len() > MAX_QUERY_USERS {
+            return error_reply(format!("at most {MAX_QUERY_USERS} users per query"));
+        }
+        let views = match self.store.query_users(&request.user_ids).await {
+            Ok(views) => views,
+            Err(e) => return error_reply(format!("database: {e}")),
+        };
+        let users = views
+            .iter()
+            .map(|(user, view)| (user.as_str(), user_wire(view)))
+            .collect();
+        serde_json::to_vec(&QueryReply { users }).unwrap_or_else(error_reply)
+    }
+
+    /// Answers a resync request: marks the user stale, enqueues its server's
+    /// job and waits until the user is fresh or the timeout passes.
+    pub async fn resync(&self, body: &[u8]) -> Vec<u8> {
+        let request: ResyncRpcRequest = match serde_json::from_slice(body) {
+            Ok(r) => r,
+            Err(e) => return error_reply(format!("expected {{\"user_id\": \"@a:b\"}}: {e}")),
+        };
+        let timeout = request
+            .timeout_ms
+            .map(Duration::from_millis)
+            .unwrap_or(DEFAULT_RESYNC_TIMEOUT)
+            .min(MAX_RESYNC_TIMEOUT);
+        let reply = |synced: bool, error: Option<String>| {
+            serde_json::to_vec(&ResyncReply {
+                user_id: &request.user_id,
+                synced,
+                error,
+            })
+            .unwrap_or_else(error_reply)
+        };
+        let user = match OwnedUserId::try_from(request.user_id.as_str()) {
+            Ok(user) => user,
+            Err(e) => return reply(false, Some(format!("invalid user id: {e}"))),
+        };
+        if user.server_name() == self.own_server {
+            return reply(false, Some("the user is on our own server".into()));
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        match tokio::time::timeout_at(deadline, self.resync_user(&user)).await {
+            Ok(Ok(())) => reply(true, None),
+            Ok(Err(e)) => reply(false, Some(e)),
+            Err(_) => {
+                let last = self.store.stale_state(&user).await.ok().flatten();
+                let error = last
+                    .and_then(|(_, error)| error)
+                    .unwrap_or_else(|| "timed out before the list was fetched".into());
+                reply(false, Some(error))
+            }
+        }
+    }
+
+    async fn resync_user(&self, user: &OwnedUserId) -> Result<(), String> {
+        let mark = [InputMessage::Resync(ResyncRequest {
+            user_id: user.clone(),
+        })];
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or(0);
+        self.store
+            .apply_batch(&mark, now_ms)
+            .await
+            .map_err(|e| format!("database: {e}"))?;
+        fetch_jobs::enqueue(&self.js, [&user.server_name().to_owned()]).await?;
+        // The fetch may run on any replica, so the database is the place to
+        // watch. Checks start fast and slow down to 4 per second.
+        let mut pause = Duration::from_millis(10);
+        loop {
+            match self.store.stale_state(user).await {
+                Ok(None) => return Ok(()),
+                Ok(Some(_)) => {}
+                Err(e) => tracing::debug!(error = %e, "resync: cannot read the stale mark"),
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(250));
+        }
+    }
+}
+
+fn user_wire(view: &UserView) -> UserWire<'_> {
+    UserWire {
+        tracked: view.tracked,
+        stale: view.stale,
+        stream_id: view.stream_id,
+        devices: view
+            .devices
+            .iter()
+            .map(|(id, d)| {
+                (
+                    id.as_str(),
+                    DeviceWire {
+                        display_name: d.display_name.as_deref(),
+                        keys: raw(d.keys.as_deref()),
+                    },
+                )
+            })
+            .collect(),
+        master_key: raw(view.master_key.as_deref()),
+        self_signing_key: raw(view.self_signing_key.as_deref()),
+    }
+}

@@ -1,0 +1,97 @@
+//! Reading what is stored about users, for the query RPC (SPEC §4.4).
+
+use std::collections::BTreeMap;
+
+use entity::{cross_signing_key, remote_device, remote_user, stale_user};
+use sea_orm::{ColumnTrait, DbErr, EntityTrait, QueryFilter};
+
+use super::Store;
+
+/// One device as stored.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceView {
+    /// Its display name.
+    pub display_name: Option<String>,
+    /// Its keys JSON as received.
+    pub keys: Option<String>,
+}
+
+/// What is stored about one user.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UserView {
+    /// Anything is stored, or the user is stale.
+    pub tracked: bool,
+    /// The user is marked stale.
+    pub stale: bool,
+    /// The highest stream id stored (None when untracked).
+    pub stream_id: Option<i64>,
+    /// Devices, without tombstones.
+    pub devices: BTreeMap<String, DeviceView>,
+    /// The master key JSON.
+    pub master_key: Option<String>,
+    /// The self-signing key JSON.
+    pub self_signing_key: Option<String>,
+}
+
+impl Store {
+    /// What is stored about each of `users` (every one appears).
+    pub async fn query_users(&self, users: &[String]) -> Result<BTreeMap<String, UserView>, DbErr> {
+        let mut views: BTreeMap<String, UserView> = users
+            .iter()
+            .map(|u| (u.clone(), UserView::default()))
+            .collect();
+        let ids = || users.iter().map(String::as_str);
+        for row in remote_user::Entity::find()
+            .filter(remote_user::Column::UserId.is_in(ids()))
+            .all(&self.db)
+            .await?
+        {
+            if let Some(view) = views.get_mut(&row.user_id) {
+                view.tracked = true;
+                view.stream_id = Some(row.max_stream_id);
+            }
+        }
+        for row in stale_user::Entity::find()
+            .filter(stale_user::Column::UserId.is_in(ids()))
+            .all(&self.db)
+            .await?
+        {
+            if let Some(view) = views.get_mut(&row.user_id) {
+                view.tracked = true;
+                view.stale = true;
+            }
+        }
+        for row in remote_device::Entity::find()
+            .filter(remote_device::Column::UserId.is_in(ids()))
+            .filter(remote_device::Column::Deleted.eq(false))
+            .all(&self.db)
+            .await?
+        {
+            if let Some(view) = views.get_mut(&row.user_id) {
+                view.tracked = true;
+                view.devices.insert(
+                    row.device_id,
+                    DeviceView {
+                        display_name: row.display_name,
+                        keys: row.keys_json,
+                    },
+                );
+            }
+        }
+        for row in cross_signing_key::Entity::find()
+            .filter(cross_signing_key::Column::UserId.is_in(ids()))
+            .all(&self.db)
+            .await?
+        {
+            if let Some(view) = views.get_mut(&row.user_id) {
+                view.tracked = true;
+                match row.key_usage.as_str() {
+                    "master" => view.master_key = Some(row.key_json),
+                    "self_signing" => view.self_signing_key = Some(row.key_json),
+                    _ => {}
+                }
+            }
+        }
+        Ok(views)
+    }
+}
