@@ -177,6 +177,9 @@ impl InputSubjects {
     }
 }
 
+/// Remote servers one replica fetches from at once, unless configured.
+pub const DEFAULT_FETCH_CONCURRENCY: usize = 1024;
+
 /// The resolved configuration of `run`.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -329,7 +332,8 @@ impl Sources {
         let defaults = InputSubjects::default();
         let batch_size: usize = self.number("batch_size", 1000)?;
         let max_deliver: i64 = self.number("max_deliver", 10)?;
-        let fetch_concurrency: usize = self.number("fetch_concurrency", 256)?;
+        let fetch_concurrency: usize =
+            self.number("fetch_concurrency", DEFAULT_FETCH_CONCURRENCY)?;
         if batch_size == 0 || max_deliver < 1 || fetch_concurrency == 0 {
             return Err(ConfigError::Invalid {
                 key: if batch_size == 0 {

@@ -100,6 +100,7 @@ async fn run(settings: &SettingsArgs, config: Option<&std::path::Path>) -> ExitC
         Ok(config) => config,
         Err(e) => return fail(2, &format!("configuration: {e}")),
     };
+    raise_open_file_limit(config.fetch_concurrency);
     let running = match worker::start(config, Faults::from_env()).await {
         Ok(running) => running,
         Err(e) => return fail(2, &e.to_string()),
@@ -109,6 +110,26 @@ async fn run(settings: &SettingsArgs, config: Option<&std::path::Path>) -> ExitC
     running.stop(STOP_GRACE).await;
     tracing::info!("stopped");
     ExitCode::SUCCESS
+}
+
+/// Each fetch in flight holds a socket. Many systems start processes with a
+/// soft limit of 1024 open files and a far higher hard limit; raise the soft
+/// limit to the hard one (as Go does), and warn if that is still too low.
+fn raise_open_file_limit(fetch_concurrency: usize) {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let raised = rustix::process::Rlimit {
+        current: limit.maximum,
+        maximum: limit.maximum,
+    };
+    if limit.current != limit.maximum && setrlimit(Resource::Nofile, raised).is_err() {
+        tracing::debug!("cannot raise the open-file limit");
+    }
+    let now = getrlimit(Resource::Nofile).current;
+    let wanted = fetch_concurrency as u64 + 256;
+    if now.is_some_and(|n| n < wanted) {
+        tracing::warn!(open_files = ?now, wanted, "the open-file limit is low for DLU_FETCH_CONCURRENCY");
+    }
 }
 
 async fn wait_for_signal() {

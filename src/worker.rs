@@ -16,6 +16,7 @@ use crate::config::Config;
 use crate::fetch::federation::{FederationClient, FederationSettings};
 use crate::fetch::jobs::{self, Fetcher};
 use crate::fetch::retry::RetryPolicy;
+use crate::fetch::writer::FetchWriter;
 use crate::http::{self, Health};
 use crate::ingest::Ingest;
 use crate::store::Store;
@@ -172,7 +173,7 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         },
         max_devices: config.max_devices,
         concurrency: config.fetch_concurrency,
-        outbox: outbox.clone(),
+        writer: FetchWriter::start(store.clone(), config.max_devices, outbox.clone()),
         ack_wait: config.ack_wait,
     };
     tasks.spawn(fetcher.run(fetch_consumer, stop.clone()));

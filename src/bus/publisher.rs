@@ -19,13 +19,15 @@ use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
 use crate::store::Store;
-use crate::store::outbox::OutboxBatch;
+use crate::store::outbox::{OutboxBatch, OutboxEvent};
 use crate::worker::Faults;
 
 /// Rows read from the table per round.
 const ROUND: u64 = 100;
 /// Committed batches that may wait in memory before writers wait.
-const QUEUE: usize = 16;
+const QUEUE: usize = 256;
+/// Most queued batches published in one round.
+const MAX_BATCHES_PER_ROUND: usize = 256;
 /// How often the table is read even when nothing failed.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
 /// Longest pause between tries after a failure.
@@ -114,7 +116,17 @@ impl Publisher {
             tokio::select! {
                 batch = self.queue.recv() => match batch {
                     Some(batch) => {
-                        if let Err(e) = self.publish(&batch).await {
+                        // Take whatever else is queued too: many small
+                        // batches (one per fetched user) share one round
+                        // of acks and one delete.
+                        let mut batches = vec![batch];
+                        while batches.len() < MAX_BATCHES_PER_ROUND {
+                            match self.queue.try_recv() {
+                                Ok(more) => batches.push(more),
+                                Err(_) => break,
+                            }
+                        }
+                        if let Err(e) = self.publish(&batches).await {
                             tracing::warn!(error = %e, "outbox publish failed; reading the table");
                             must_sweep = true;
                         }
@@ -145,21 +157,28 @@ impl Publisher {
                 return Ok(sent);
             };
             after = last.id;
-            for batch in &batches {
-                sent += self.publish(batch).await?;
-            }
+            sent += self.publish(&batches).await?;
         }
     }
 
-    /// Publishes one batch, waits for the stream's acks, deletes its row.
-    async fn publish(&self, batch: &OutboxBatch) -> Result<usize, String> {
-        let mut acks = Vec::with_capacity(batch.events.len());
-        for (index, event) in batch.events.iter().enumerate() {
+    /// Publishes batches in order, waits for the stream's acks, deletes
+    /// their rows.
+    async fn publish(&self, batches: &[OutboxBatch]) -> Result<usize, String> {
+        let mut acks = Vec::new();
+        // Collected first: a lazy iterator held across awaits trips the
+        // compiler's Send check for the spawned task.
+        let mut events: Vec<(i64, usize, &OutboxEvent)> = Vec::new();
+        for batch in batches {
+            for (index, event) in batch.events.iter().enumerate() {
+                events.push((batch.id, index, event));
+            }
+        }
+        for (id, index, event) in events {
             let mut headers = HeaderMap::new();
             headers.insert("user_id", event.user_id.as_str());
             headers.insert(
                 async_nats::header::NATS_MESSAGE_ID,
-                format!("{}-{}-{index}", self.instance_id, batch.id).as_str(),
+                format!("{}-{id}-{index}", self.instance_id).as_str(),
             );
             let ack = self
                 .js
@@ -168,6 +187,7 @@ impl Publisher {
                 .map_err(|e| e.to_string())?;
             acks.push(ack);
         }
+        let acks_len = acks.len();
         for ack in acks {
             ack.await.map_err(|e| e.to_string())?;
         }
@@ -175,10 +195,11 @@ impl Publisher {
             tracing::error!("fault injection: crashing after publish, before outbox delete");
             std::process::abort();
         }
+        let ids: Vec<i64> = batches.iter().map(|b| b.id).collect();
         self.store
-            .outbox_delete(batch.id)
+            .outbox_delete(&ids)
             .await
             .map_err(|e| e.to_string())?;
-        Ok(batch.events.len())
+        Ok(acks_len)
     }
 }

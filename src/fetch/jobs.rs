@@ -11,7 +11,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{AckKind, Context, Message};
@@ -21,10 +21,11 @@ use tokio::sync::{Semaphore, watch};
 
 use super::federation::{FederationClient, FetchFailure};
 use super::retry::{Failure, RetryPolicy, spread};
+use super::writer::FetchWriter;
 use crate::bus::fetch_jobs::{self, FetchJob};
-use crate::bus::publisher::OutboxHandle;
 use crate::bus::streams::FETCH_STREAM;
 use crate::store::Store;
+use crate::store::fetched::FetchedUser;
 
 /// Durable name of the fetch-job consumer, shared by all replicas.
 pub const FETCH_CONSUMER: &str = "device-list-updater-fetch";
@@ -73,8 +74,8 @@ pub struct Fetcher {
     pub max_devices: usize,
     /// Servers fetched at once by this replica.
     pub concurrency: usize,
-    /// Takes committed events to the publisher.
-    pub outbox: OutboxHandle,
+    /// Stores fetched lists (and hands their events to the publisher).
+    pub writer: FetchWriter,
     /// The consumer's ack wait: progress acks go out three times per period.
     pub ack_wait: Duration,
 }
@@ -88,13 +89,6 @@ enum JobEnd {
     Failed(Duration),
     /// Stopping: give the job back at once.
     Interrupted,
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }
 
 impl Fetcher {
@@ -258,9 +252,13 @@ impl Fetcher {
         if unreadable > 0 {
             tracing::warn!(%user, unreadable, "left out unreadable device entries");
         }
-        let stored = self
-            .store
-            .apply_fetch(user, Some(mark), &list, self.max_devices, now_ms())
+        let plan = self
+            .writer
+            .store(FetchedUser {
+                user: user.clone(),
+                stale_at_start: Some(mark.clone()),
+                list,
+            })
             .await
             .map_err(|e| FetchFailure {
                 failure: Failure::Transient,
@@ -270,7 +268,6 @@ impl Fetcher {
                 failure: Failure::Transient,
                 reason: format!("answer refused: {refusal:?}"),
             })?;
-        let plan = &stored.plan;
         if !plan.skipped_devices.is_empty() {
             tracing::warn!(%user, devices = ?plan.skipped_devices, "skipped devices whose keys name another user or device");
         }
@@ -279,9 +276,6 @@ impl Fetcher {
         }
         if let Some(count) = plan.too_many_devices {
             tracing::warn!(%user, count, max = self.max_devices, "device list over DLU_MAX_DEVICES not stored");
-        }
-        if let Some(batch) = stored.outbox {
-            self.outbox.committed(batch).await;
         }
         Ok(())
     }

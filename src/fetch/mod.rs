@@ -4,10 +4,12 @@
 //! * [`guard`]: which addresses a fetch may connect to (pure);
 //! * [`answer`]: reading a `/user/devices` answer (pure);
 //! * [`federation`]: the signed request, discovery and the guarded client;
-//! * [`jobs`]: the fetch-job consumer that ties them to the store.
+//! * [`jobs`]: the fetch-job consumer that ties them together;
+//! * [`writer`]: stores fetched lists in groups, one transaction each.
 
 pub mod answer;
 pub mod federation;
 pub mod guard;
 pub mod jobs;
 pub mod retry;
+pub mod writer;

@@ -108,6 +108,29 @@ impl Store {
         max_devices: usize,
         now_ms: i64,
     ) -> Result<Result<FetchStored, FetchRefusal>, DbErr> {
+        let item = FetchedUser {
+            user: user.to_owned(),
+            stale_at_start: stale_at_start.cloned(),
+            list: list.clone(),
+        };
+        let (mut outcomes, outbox) = self
+            .apply_fetches(std::slice::from_ref(&item), max_devices, now_ms)
+            .await?;
+        let outcome = outcomes
+            .pop()
+            .ok_or_else(|| DbErr::Custom("no outcome for the one list stored".into()))?;
+        Ok(outcome.map(|plan| FetchStored { plan, outbox }))
+    }
+
+    /// Stores several fetched lists (of different users) in one transaction:
+    /// the group commit of the fetcher. Returns one outcome per item, in
+    /// order, and the outbox batch holding all their events.
+    pub async fn apply_fetches(
+        &self,
+        items: &[FetchedUser],
+        max_devices: usize,
+        now_ms: i64,
+    ) -> Result<(Vec<Result<FetchPlan, FetchRefusal>>, Option<OutboxBatch>), DbErr> {
         let txn = self
             .db
             .begin_with_options(TransactionOptions {
@@ -115,38 +138,65 @@ impl Store {
                 ..Default::default()
             })
             .await?;
-        lock_users(&txn, &[user.as_str()]).await?;
-        let stored = load_user(&txn, user).await?;
-        let plan = match plan_fetch(user, &stored, stale_at_start, list, max_devices) {
-            Ok(plan) => plan,
-            Err(refusal) => {
-                txn.rollback().await?;
-                return Ok(Err(refusal));
-            }
-        };
+        let mut users: Vec<&str> = items.iter().map(|i| i.user.as_str()).collect();
+        users.sort_unstable();
+        users.dedup();
+        lock_users(&txn, &users).await?;
+        let mut stored = load_users(&txn, &users).await?;
         let mut rows = Plan::default();
-        rows.users.insert(user.to_owned(), plan.state.clone());
-        for (device, row) in &plan.devices {
-            rows.devices
-                .insert((user.to_owned(), device.clone()), row.clone());
+        let mut fresh = Vec::new();
+        let mut outcomes = Vec::with_capacity(items.len());
+        for item in items {
+            let user = &item.user;
+            let now = stored.remove(user).unwrap_or_default();
+            let outcome = plan_fetch(
+                user,
+                &now,
+                item.stale_at_start.as_ref(),
+                &item.list,
+                max_devices,
+            );
+            if let Ok(plan) = &outcome {
+                rows.users.insert(user.clone(), plan.state.clone());
+                for (device, row) in &plan.devices {
+                    rows.devices
+                        .insert((user.clone(), device.clone()), row.clone());
+                }
+                for (usage, json) in &plan.cross_signing {
+                    rows.cross_signing
+                        .insert((user.clone(), *usage), json.clone());
+                }
+                match &plan.still_stale {
+                    Some(mark) => {
+                        rows.stale.insert(user.clone(), mark.clone());
+                    }
+                    None => fresh.push(user.as_str().to_owned()),
+                }
+                rows.events.extend(plan.events.iter().cloned());
+            }
+            outcomes.push(outcome);
         }
-        for (usage, json) in &plan.cross_signing {
-            rows.cross_signing
-                .insert((user.to_owned(), *usage), json.clone());
-        }
-        if let Some(mark) = &plan.still_stale {
-            rows.stale.insert(user.to_owned(), mark.clone());
-        }
-        rows.events = plan.events.clone();
         let outbox = write::plan(&txn, &rows, now_ms).await?;
-        if plan.still_stale.is_none() {
-            stale_user::Entity::delete_by_id(user.as_str().to_owned())
+        for chunk in fresh.chunks(500) {
+            stale_user::Entity::delete_many()
+                .filter(stale_user::Column::UserId.is_in(chunk.iter().cloned()))
                 .exec(&txn)
                 .await?;
         }
         txn.commit().await?;
-        Ok(Ok(FetchStored { plan, outbox }))
+        Ok((outcomes, outbox))
     }
+}
+
+/// One fetched list to store.
+#[derive(Clone, Debug)]
+pub struct FetchedUser {
+    /// Whose list it is meant to be.
+    pub user: OwnedUserId,
+    /// The user's stale mark when the request was sent.
+    pub stale_at_start: Option<StaleMark>,
+    /// The answer.
+    pub list: FetchedList,
 }
 
 fn stale_mark(marked_at_ms: i64, triggers: &str) -> StaleMark {
@@ -156,24 +206,36 @@ fn stale_mark(marked_at_ms: i64, triggers: &str) -> StaleMark {
     }
 }
 
-/// Everything stored for one user.
-async fn load_user<C: ConnectionTrait>(db: &C, user: &UserId) -> Result<StoredUser, DbErr> {
-    let id = user.as_str().to_owned();
-    let state = remote_user::Entity::find_by_id(id.clone())
-        .one(db)
-        .await?
-        .map(|row| UserState {
-            known: KnownStreamIds::from_json(&row.known_stream_ids),
-            max_stream_id: row.max_stream_id,
-        })
-        .unwrap_or_default();
-    let devices: BTreeMap<OwnedDeviceId, DeviceRow> = remote_device::Entity::find()
-        .filter(remote_device::Column::UserId.eq(id.clone()))
-        .all(db)
-        .await?
-        .into_iter()
-        .map(|row| {
-            (
+/// Everything stored for `users`, four queries per 500 users.
+async fn load_users<C: ConnectionTrait>(
+    db: &C,
+    users: &[&str],
+) -> Result<BTreeMap<OwnedUserId, StoredUser>, DbErr> {
+    let mut stored: BTreeMap<OwnedUserId, StoredUser> = BTreeMap::new();
+    for chunk in users.chunks(500) {
+        let ids = || chunk.iter().copied();
+        for row in remote_user::Entity::find()
+            .filter(remote_user::Column::UserId.is_in(ids()))
+            .all(db)
+            .await?
+        {
+            let Ok(user) = OwnedUserId::try_from(row.user_id) else {
+                continue;
+            };
+            stored.entry(user).or_default().state = UserState {
+                known: KnownStreamIds::from_json(&row.known_stream_ids),
+                max_stream_id: row.max_stream_id,
+            };
+        }
+        for row in remote_device::Entity::find()
+            .filter(remote_device::Column::UserId.is_in(ids()))
+            .all(db)
+            .await?
+        {
+            let Ok(user) = OwnedUserId::try_from(row.user_id) else {
+                continue;
+            };
+            stored.entry(user).or_default().devices.insert(
                 OwnedDeviceId::from(row.device_id),
                 DeviceRow {
                     display_name: row.display_name,
@@ -181,24 +243,36 @@ async fn load_user<C: ConnectionTrait>(db: &C, user: &UserId) -> Result<StoredUs
                     stream_id: row.stream_id,
                     deleted: row.deleted,
                 },
-            )
-        })
-        .collect();
-    let cross_signing = cross_signing_key::Entity::find()
-        .filter(cross_signing_key::Column::UserId.eq(id.clone()))
-        .all(db)
-        .await?
-        .into_iter()
-        .filter_map(|row| Some((KeyUsage::from_str_opt(&row.key_usage)?, row.key_json)))
-        .collect();
-    let stale = stale_user::Entity::find_by_id(id)
-        .one(db)
-        .await?
-        .map(|row| stale_mark(row.marked_at_ms, &row.trigger_stream_ids));
-    Ok(StoredUser {
-        devices,
-        state,
-        cross_signing,
-        stale,
-    })
+            );
+        }
+        for row in cross_signing_key::Entity::find()
+            .filter(cross_signing_key::Column::UserId.is_in(ids()))
+            .all(db)
+            .await?
+        {
+            let (Ok(user), Some(usage)) = (
+                OwnedUserId::try_from(row.user_id),
+                KeyUsage::from_str_opt(&row.key_usage),
+            ) else {
+                continue;
+            };
+            stored
+                .entry(user)
+                .or_default()
+                .cross_signing
+                .insert(usage, row.key_json);
+        }
+        for row in stale_user::Entity::find()
+            .filter(stale_user::Column::UserId.is_in(ids()))
+            .all(db)
+            .await?
+        {
+            let Ok(user) = OwnedUserId::try_from(row.user_id) else {
+                continue;
+            };
+            stored.entry(user).or_default().stale =
+                Some(stale_mark(row.marked_at_ms, &row.trigger_stream_ids));
+        }
+    }
+    Ok(stored)
 }

@@ -134,11 +134,15 @@ impl Store {
             .collect())
     }
 
-    /// Deletes a published batch (deleting one already gone is not an error).
-    pub async fn outbox_delete(&self, id: i64) -> Result<(), DbErr> {
-        key_change_outbox::Entity::delete_by_id(id)
-            .exec(&self.db)
-            .await?;
+    /// Deletes published batches (deleting one already gone is not an error).
+    pub async fn outbox_delete(&self, ids: &[i64]) -> Result<(), DbErr> {
+        use sea_orm::{ColumnTrait, QueryFilter};
+        for chunk in ids.chunks(500) {
+            key_change_outbox::Entity::delete_many()
+                .filter(key_change_outbox::Column::Id.is_in(chunk.iter().copied()))
+                .exec(&self.db)
+                .await?;
+        }
         Ok(())
     }
 
