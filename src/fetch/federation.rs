@@ -3,11 +3,12 @@
 //! outbound guard.
 //!
 //! Signing uses ruma's X-Matrix implementation (canonical JSON of the request
-//! object, ed25519). Discovery follows the server-server spec for IP literals,
-//! explicit ports and `.well-known/matrix/server` delegation (cached), then
-//! port 8448. **SRV lookups (`_matrix-fed._tcp`, `_matrix._tcp`) are not done
-//! yet**: a server that relies on SRV without a well-known file is tried on
-//! port 8448.
+//! object, ed25519). Discovery follows the server-server spec: IP literals,
+//! explicit ports, `.well-known/matrix/server` delegation (cached), then SRV
+//! `_matrix-fed._tcp` / `_matrix._tcp` and port 8448 ([`super::discovery`]).
+//! For a name found through SRV the URL keeps the server's hostname (so TLS
+//! and `Host` name it, as the spec requires) and the DNS hook hands reqwest
+//! the discovered addresses and ports.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -22,6 +23,7 @@ use ruma::signatures::Ed25519KeyPair;
 use ruma::{OwnedServerName, ServerName, UserId};
 
 use super::answer;
+use super::discovery::{self, HickoryDns};
 use super::guard;
 use super::retry::Failure;
 use crate::decide::fetched::FetchedList;
@@ -32,6 +34,8 @@ pub const MAX_BODY: usize = 10 * 1024 * 1024;
 const DEFAULT_PORT: u16 = 8448;
 /// How long a well-known answer (or its absence) is trusted.
 const WELL_KNOWN_TTL: Duration = Duration::from_secs(3600);
+/// How long discovered addresses are reused.
+const DISCOVERY_TTL: Duration = Duration::from_secs(3600);
 /// Largest well-known body read.
 const MAX_WELL_KNOWN: usize = 64 * 1024;
 
@@ -75,20 +79,39 @@ pub struct FederationClient {
     guarded: reqwest::Client,
     /// For overridden targets (operators point these at private addresses).
     direct: reqwest::Client,
+    /// For `.well-known` requests: the guard, but plain DNS (port 443).
+    well_known_client: reqwest::Client,
     well_known: Mutex<HashMap<OwnedServerName, (Instant, Option<String>)>>,
+    dns: HickoryDns,
+    discovered: Discoveries,
     refused: Arc<AtomicU64>,
 }
 
-/// A reqwest DNS hook that drops every address the guard refuses.
+/// Addresses found by SRV discovery, per hostname, for the DNS hook.
+type Discoveries = Arc<Mutex<HashMap<String, (Instant, Vec<SocketAddr>)>>>;
+
+/// A reqwest DNS hook that drops every address the guard refuses. With
+/// `discovered`, a hostname that discovery resolved gets those addresses
+/// (and their ports) instead of a plain lookup.
 struct GuardedResolver {
     refused: Arc<AtomicU64>,
+    discovered: Option<Discoveries>,
 }
 
 impl reqwest::dns::Resolve for GuardedResolver {
     fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
         let refused = self.refused.clone();
         let host = name.as_str().to_owned();
+        let known = self.discovered.as_ref().and_then(|d| {
+            let map = d.lock().ok()?;
+            let (at, addrs) = map.get(&host)?;
+            (at.elapsed() < DISCOVERY_TTL).then(|| addrs.clone())
+        });
         Box::pin(async move {
+            if let Some(addrs) = known {
+                let addrs: reqwest::dns::Addrs = Box::new(addrs.into_iter());
+                return Ok(addrs);
+            }
             let found: Vec<SocketAddr> =
                 tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
             let allowed: Vec<SocketAddr> = found
@@ -121,6 +144,8 @@ impl FederationClient {
     pub fn new(settings: FederationSettings) -> Result<FederationClient, String> {
         crate::tls::install_crypto_provider();
         let refused = Arc::new(AtomicU64::new(0));
+        let discovered: Discoveries = Arc::default();
+        let dns = HickoryDns::from_system()?;
         let builder = || {
             reqwest::Client::builder()
                 .timeout(settings.timeout)
@@ -132,6 +157,14 @@ impl FederationClient {
         let guarded = builder()
             .dns_resolver(Arc::new(GuardedResolver {
                 refused: refused.clone(),
+                discovered: Some(discovered.clone()),
+            }))
+            .build()
+            .map_err(|e| format!("cannot build the federation client: {e}"))?;
+        let well_known_client = builder()
+            .dns_resolver(Arc::new(GuardedResolver {
+                refused: refused.clone(),
+                discovered: None,
             }))
             .build()
             .map_err(|e| format!("cannot build the federation client: {e}"))?;
@@ -144,7 +177,10 @@ impl FederationClient {
             overrides: settings.overrides,
             guarded,
             direct,
+            well_known_client,
             well_known: Mutex::new(HashMap::new()),
+            dns,
+            discovered,
             refused,
         })
     }
@@ -200,18 +236,50 @@ impl FederationClient {
         if let Some(target) = literal_or_port(server)? {
             return Ok(target);
         }
-        // A hostname without a port: delegation first.
+        // A hostname without a port: delegation first, then SRV / 8448.
         let delegated = self.well_known(server).await;
-        match delegated.as_deref().map(OwnedServerName::try_from) {
-            Some(Ok(name)) => Ok(literal_or_port(&name)?.unwrap_or(Target {
-                base_url: format!("https://{}:{DEFAULT_PORT}", name.host()),
-                overridden: false,
-            })),
-            _ => Ok(Target {
-                base_url: format!("https://{}:{DEFAULT_PORT}", server.host()),
-                overridden: false,
-            }),
+        let name = match delegated.as_deref().map(OwnedServerName::try_from) {
+            Some(Ok(name)) => {
+                if let Some(target) = literal_or_port(&name)? {
+                    return Ok(target);
+                }
+                name
+            }
+            _ => server.to_owned(),
+        };
+        self.discover(name.host()).await
+    }
+
+    /// SRV / port-8448 discovery for a bare hostname; the addresses go to the
+    /// DNS hook and the URL keeps the hostname (TLS and `Host` name it).
+    async fn discover(&self, host: &str) -> Result<Target, FetchFailure> {
+        let cached = self.discovered.lock().ok().and_then(|map| {
+            let (at, addrs) = map.get(host)?;
+            (at.elapsed() < DISCOVERY_TTL).then(|| addrs.clone())
+        });
+        let target = Target {
+            base_url: format!("https://{host}"),
+            overridden: false,
+        };
+        if cached.is_some_and(|addrs| !addrs.is_empty()) {
+            return Ok(target);
         }
+        let found = discovery::discover(&self.dns, host).await;
+        if !found.refused.is_empty() {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%host, refused = ?found.refused, "discovery found addresses we never connect to");
+        }
+        if found.addrs.is_empty() {
+            return Err(FetchFailure::transient(if found.refused.is_empty() {
+                format!("{host} does not resolve")
+            } else {
+                format!("{host} resolves only to refused addresses")
+            }));
+        }
+        if let Ok(mut map) = self.discovered.lock() {
+            map.insert(host.to_owned(), (Instant::now(), found.addrs));
+        }
+        Ok(target)
     }
 
     /// `m.server` of `https://<server>/.well-known/matrix/server`, cached.
@@ -224,7 +292,7 @@ impl FederationClient {
         }
         let url = format!("https://{}/.well-known/matrix/server", server.host());
         let value = async {
-            let response = self.guarded.get(&url).send().await.ok()?;
+            let response = self.well_known_client.get(&url).send().await.ok()?;
             if !response.status().is_success() {
                 return None;
             }

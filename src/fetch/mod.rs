@@ -3,11 +3,13 @@
 //! * [`retry`]: the per-server back-off policy (pure);
 //! * [`guard`]: which addresses a fetch may connect to (pure);
 //! * [`answer`]: reading a `/user/devices` answer (pure);
+//! * [`discovery`]: SRV and port 8448 for hostnames (pure choice over a DNS trait);
 //! * [`federation`]: the signed request, discovery and the guarded client;
 //! * [`jobs`]: the fetch-job consumer that ties them together;
 //! * [`writer`]: stores fetched lists in groups, one transaction each.
 
 pub mod answer;
+pub mod discovery;
 pub mod federation;
 pub mod guard;
 pub mod jobs;
