@@ -98,37 +98,27 @@ fn error_reply(error: impl std::fmt::Display) -> Vec<u8> {
 }
 
 impl Rpc {
-    /// Serves both RPCs until `shutdown` turns true.
-    pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
+    /// Subscribes to both subjects. Done before the worker reports started,
+    /// so a request sent right after start finds a responder.
+    pub async fn subscribe(self) -> Result<Subscribed, String> {
         let subscribe =
             |subject: &'static str| self.client.queue_subscribe(subject, QUEUE_GROUP.to_owned());
-        let (mut query, mut resync) = match (
-            subscribe(QUERY_SUBJECT).await,
-            subscribe(RESYNC_SUBJECT).await,
-        ) {
-            (Ok(q), Ok(r)) => (q, r),
-            (Err(e), _) | (_, Err(e)) => {
-                tracing::error!(error = %e, "cannot subscribe to the RPC subjects");
-                return;
-            }
-        };
-        let mut running = tokio::task::JoinSet::new();
-        loop {
-            tokio::select! {
-                Some(message) = query.next() => {
-                    let this = self.clone();
-                    running.spawn(async move { this.reply(&message, this.query(&message.payload).await).await });
-                }
-                Some(message) = resync.next() => {
-                    let this = self.clone();
-                    running.spawn(async move { this.reply(&message, this.resync(&message.payload).await).await });
-                }
-                _ = shutdown.wait_for(|s| *s) => break,
-                else => break,
-            }
-            while running.try_join_next().is_some() {}
-        }
-        running.abort_all();
+        let query = subscribe(QUERY_SUBJECT)
+            .await
+            .map_err(|e| format!("cannot subscribe to {QUERY_SUBJECT}: {e}"))?;
+        let resync = subscribe(RESYNC_SUBJECT)
+            .await
+            .map_err(|e| format!("cannot subscribe to {RESYNC_SUBJECT}: {e}"))?;
+        // Make sure the server has the subscriptions before anyone asks.
+        self.client
+            .flush()
+            .await
+            .map_err(|e| format!("cannot reach NATS: {e}"))?;
+        Ok(Subscribed {
+            rpc: self,
+            query,
+            resync,
+        })
     }
 
     async fn reply(&self, message: &async_nats::Message, body: Vec<u8>) {
@@ -224,6 +214,36 @@ impl Rpc {
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(250));
         }
+    }
+}
+
+/// The RPC handlers with their subscriptions in place.
+pub struct Subscribed {
+    rpc: Rpc,
+    query: async_nats::Subscriber,
+    resync: async_nats::Subscriber,
+}
+
+impl Subscribed {
+    /// Serves both RPCs until `shutdown` turns true.
+    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
+        let mut running = tokio::task::JoinSet::new();
+        loop {
+            tokio::select! {
+                Some(message) = self.query.next() => {
+                    let rpc = self.rpc.clone();
+                    running.spawn(async move { rpc.reply(&message, rpc.query(&message.payload).await).await });
+                }
+                Some(message) = self.resync.next() => {
+                    let rpc = self.rpc.clone();
+                    running.spawn(async move { rpc.reply(&message, rpc.resync(&message.payload).await).await });
+                }
+                _ = shutdown.wait_for(|s| *s) => break,
+                else => break,
+            }
+            while running.try_join_next().is_some() {}
+        }
+        running.abort_all();
     }
 }
 

@@ -183,6 +183,7 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         store: store.clone(),
         own_server: config.server_name.clone(),
     };
+    let rpc = rpc.subscribe().await.map_err(StartError::Bus)?;
     tasks.spawn(rpc.run(stop.clone()));
     tasks.spawn(rescan_stale(
         js.clone(),

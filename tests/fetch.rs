@@ -12,7 +12,9 @@ use device_list_updater::testkit::remote::{
 };
 use device_list_updater::worker::{self, Faults, Running};
 use entity::{remote_device, stale_user};
-use sea_orm::{ColumnTrait, EntityTrait, PaginatorTrait, QueryFilter};
+use sea_orm::{
+    ActiveModelTrait, ActiveValue::Set, ColumnTrait, EntityTrait, PaginatorTrait, QueryFilter,
+};
 use serde_json::json;
 
 const ALICE: &str = "@alice:remote.example";
@@ -402,3 +404,62 @@ async fn cross_signing_keys_checked(backend: Backend) {
     assert_eq!(stored, 2);
 }
 both_backends!(cross_signing, cross_signing_keys_checked);
+
+/// Users left stale by an earlier run (no job in the queue) are fetched at
+/// start-up, spread over DLU_STARTUP_SPREAD.
+async fn stale_users_fetched_at_start(backend: Backend) {
+    let nats = Nats::start().await;
+    let db = TestDb::new(backend).await;
+    let servers = ["one.example", "two.example"];
+    let users = ["@a:one.example", "@b:two.example"];
+    {
+        let store = worker::open_store(&db.url, Duration::from_secs(10))
+            .await
+            .unwrap();
+        for user in users {
+            stale_user::ActiveModel {
+                user_id: Set(user.into()),
+                server_name: Set(user.split_once(':').unwrap().1.into()),
+                marked_at_ms: Set(0),
+                trigger_stream_ids: Set("[]".into()),
+                last_error: Set(None),
+            }
+            .insert(store.connection())
+            .await
+            .unwrap();
+        }
+    }
+    let mut config = common::config(&nats, &db);
+    config.startup_spread = Duration::from_secs(1);
+    let pair = config.signing_key.key_pair().unwrap();
+    let fleet = MockFederation::start(
+        common::OUR_SERVER,
+        config.signing_key.version(),
+        pair.public_key(),
+        Duration::ZERO,
+    )
+    .await;
+    config.federation_overrides = overrides_for(&fleet, servers);
+    for user in users {
+        fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
+    }
+    let running = worker::start(config, Faults::default()).await.unwrap();
+    common::eventually(Duration::from_secs(20), "both users fetched", || async {
+        let left = stale_user::Entity::find()
+            .count(running.store.connection())
+            .await
+            .ok()?;
+        (left == 0 && users.iter().all(|u| fleet.requests(u) == 1)).then_some(())
+    })
+    .await;
+    // Two servers over one second: the second job starts half a second later.
+    let mut firsts: Vec<std::time::Instant> =
+        users.iter().map(|u| fleet.request_times(u)[0]).collect();
+    firsts.sort();
+    assert!(
+        firsts[1] - firsts[0] >= Duration::from_millis(450),
+        "not spread: {:?}",
+        firsts[1] - firsts[0]
+    );
+}
+both_backends!(startup_rescan, stale_users_fetched_at_start);
