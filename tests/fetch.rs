@@ -7,9 +7,7 @@ use std::time::Duration;
 
 use common::{Backend, Nats, TestDb, publish, stream_len, wait_stream};
 use device_list_updater::config::Config;
-use device_list_updater::testkit::remote::{
-    MockFederation, Reply, device_keys, device_list, overrides_for,
-};
+use device_list_updater::testkit::remote::{MockFederation, Reply, device_keys, device_list};
 use device_list_updater::worker::{self, Faults, Running};
 use entity::{remote_device, stale_user};
 use sea_orm::{
@@ -39,15 +37,8 @@ impl Env {
         let nats = Nats::start().await;
         let db = TestDb::new(backend).await;
         let mut config = common::config(&nats, &db);
-        let key = config.signing_key.key_pair().expect("key pair");
-        let fleet = MockFederation::start(
-            common::OUR_SERVER,
-            config.signing_key.version(),
-            key.public_key(),
-            latency,
-        )
-        .await;
-        config.federation_overrides = overrides_for(&fleet, servers.iter().copied());
+        let fleet = MockFederation::trusting(&config, latency).await;
+        fleet.serve(&mut config, servers.iter().copied());
         tune(&mut config);
         let worker = worker::start(config, Faults::default())
             .await
@@ -431,15 +422,8 @@ async fn stale_users_fetched_at_start(backend: Backend) {
     }
     let mut config = common::config(&nats, &db);
     config.startup_spread = Duration::from_secs(1);
-    let pair = config.signing_key.key_pair().unwrap();
-    let fleet = MockFederation::start(
-        common::OUR_SERVER,
-        config.signing_key.version(),
-        pair.public_key(),
-        Duration::ZERO,
-    )
-    .await;
-    config.federation_overrides = overrides_for(&fleet, servers);
+    let fleet = MockFederation::trusting(&config, Duration::ZERO).await;
+    fleet.serve(&mut config, servers);
     for user in users {
         fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
     }

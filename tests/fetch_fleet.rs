@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::{Backend, Nats, TestDb, read_stream};
 use device_list_updater::signing_key::SigningKey;
 use device_list_updater::store::Store;
-use device_list_updater::testkit::remote::{MockFederation, Reply, device_list, overrides_for};
+use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
 use device_list_updater::worker::{self, Faults};
 use entity::stale_user;
 use sea_orm::{EntityTrait, PaginatorTrait};
@@ -54,16 +54,9 @@ async fn one_request_per_server(backend: Backend) {
     let nats = Nats::start().await;
     let db = TestDb::new(backend).await;
     let mut config = common::config(&nats, &db);
-    let pair = config.signing_key.key_pair().unwrap();
-    let fleet = MockFederation::start(
-        common::OUR_SERVER,
-        config.signing_key.version(),
-        pair.public_key(),
-        Duration::from_millis(100),
-    )
-    .await;
+    let fleet = MockFederation::trusting(&config, Duration::from_millis(100)).await;
     let (servers, users) = fleet_users(50, 4);
-    config.federation_overrides = overrides_for(&fleet, servers.iter().map(String::as_str));
+    fleet.serve(&mut config, servers.iter().map(String::as_str));
     for user in &users {
         fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
     }
@@ -100,18 +93,11 @@ async fn backoff_does_not_block_healthy_servers(backend: Backend) {
     let mut config = common::config(&nats, &db);
     config.retry_min = Duration::from_secs(600);
     config.retry_max = Duration::from_secs(3600);
-    let pair = config.signing_key.key_pair().unwrap();
-    let fleet = MockFederation::start(
-        common::OUR_SERVER,
-        config.signing_key.version(),
-        pair.public_key(),
-        Duration::ZERO,
-    )
-    .await;
+    let fleet = MockFederation::trusting(&config, Duration::ZERO).await;
     let (servers, users) = fleet_users(1000, 1);
     let healthy = "@alice:healthy.example";
-    config.federation_overrides = overrides_for(
-        &fleet,
+    fleet.serve(
+        &mut config,
         servers
             .iter()
             .map(String::as_str)

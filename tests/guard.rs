@@ -98,15 +98,8 @@ async fn worker_never_contacts_loopback(backend: Backend) {
     let nats = Nats::start().await;
     let db = TestDb::new(backend).await;
     let mut config = common::config(&nats, &db);
-    let pair = config.signing_key.key_pair().unwrap();
-    let fleet = MockFederation::start(
-        common::OUR_SERVER,
-        config.signing_key.version(),
-        pair.public_key(),
-        Duration::ZERO,
-    )
-    .await;
-    config.federation_overrides = overrides_for(&fleet, ["good.example"]);
+    let fleet = MockFederation::trusting(&config, Duration::ZERO).await;
+    fleet.serve(&mut config, ["good.example"]);
     let good = "@alice:good.example";
     fleet.script(good, vec![Reply::Json(device_list(good, 1, &[("D", "P")]))]);
     let worker = worker::start(config, Faults::default()).await.unwrap();

@@ -5,9 +5,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{Backend, Nats, TestDb};
-use device_list_updater::testkit::remote::{
-    MockFederation, Reply, device_keys, device_list, overrides_for,
-};
+use device_list_updater::testkit::remote::{MockFederation, Reply, device_keys, device_list};
 use device_list_updater::worker::{self, Faults, Running};
 use serde_json::{Value, json};
 
@@ -27,15 +25,8 @@ impl Env {
         let nats = Nats::start().await;
         let db = TestDb::new(backend).await;
         let mut config = common::config(&nats, &db);
-        let pair = config.signing_key.key_pair().unwrap();
-        let fleet = MockFederation::start(
-            common::OUR_SERVER,
-            config.signing_key.version(),
-            pair.public_key(),
-            Duration::ZERO,
-        )
-        .await;
-        config.federation_overrides = overrides_for(&fleet, ["remote.example", "hangs.example"]);
+        let fleet = MockFederation::trusting(&config, Duration::ZERO).await;
+        fleet.serve(&mut config, ["remote.example", "hangs.example"]);
         let worker = worker::start(config, Faults::default()).await.unwrap();
         let client = nats.client().await;
         Env {

@@ -6,7 +6,6 @@ use entity::{cross_signing_key, remote_device, remote_user, stale_user};
 use ruma::{OwnedDeviceId, OwnedUserId, ServerName, UserId};
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DbErr, EntityTrait, QueryFilter, QueryOrder, QuerySelect,
-    SqliteTransactionMode, TransactionOptions, TransactionTrait,
 };
 
 use super::outbox::OutboxBatch;
@@ -131,13 +130,7 @@ impl Store {
         max_devices: usize,
         now_ms: i64,
     ) -> Result<(Vec<Result<FetchPlan, FetchRefusal>>, Option<OutboxBatch>), DbErr> {
-        let txn = self
-            .db
-            .begin_with_options(TransactionOptions {
-                sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
-                ..Default::default()
-            })
-            .await?;
+        let txn = self.begin_write().await?;
         let mut users: Vec<&str> = items.iter().map(|i| i.user.as_str()).collect();
         users.sort_unstable();
         users.dedup();

@@ -172,15 +172,7 @@ impl Store {
             // An error means the previous batch gave up: nothing to wait for.
             let _ = previous_locked.await;
         }
-        let txn = self
-            .db
-            .begin_with_options(TransactionOptions {
-                // Take SQLite's write lock up front, so two writers never
-                // deadlock upgrading a read lock.
-                sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
-                ..Default::default()
-            })
-            .await?;
+        let txn = self.begin_write().await?;
         let mut users: Vec<&str> = messages.iter().map(|m| m.user_id().as_str()).collect();
         users.sort_unstable();
         users.dedup();
@@ -202,6 +194,17 @@ impl Store {
             let _ = committed.send(true);
         }
         Ok(Some(Applied { plan, outbox }))
+    }
+
+    /// Begins a transaction that writes. On SQLite it takes the write lock
+    /// up front, so two writers never deadlock upgrading a read lock.
+    async fn begin_write(&self) -> Result<sea_orm::DatabaseTransaction, DbErr> {
+        self.db
+            .begin_with_options(TransactionOptions {
+                sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+                ..Default::default()
+            })
+            .await
     }
 
     /// A random id created once per database: it prefixes every `Nats-Msg-Id`

@@ -104,6 +104,31 @@ impl MockFederation {
         }
     }
 
+    /// A fleet that accepts requests signed as `config`'s server with its key.
+    pub async fn trusting(config: &crate::config::Config, latency: Duration) -> MockFederation {
+        let public_key = config
+            .signing_key
+            .key_pair()
+            .expect("usable signing key")
+            .public_key();
+        MockFederation::start(
+            config.server_name.as_str(),
+            config.signing_key.version(),
+            public_key,
+            latency,
+        )
+        .await
+    }
+
+    /// Points `config`'s federation overrides for `servers` at this fleet.
+    pub fn serve<'a>(
+        &self,
+        config: &mut crate::config::Config,
+        servers: impl IntoIterator<Item = &'a str>,
+    ) {
+        config.federation_overrides = overrides_for(self, servers);
+    }
+
     /// `http://<addr>`, for overrides.
     pub fn base_url(&self) -> String {
         format!("http://{}", self.addr)
