@@ -1,4 +1,5 @@
-//! The health listener (SPEC §7): `/healthz` and `/readyz`.
+//! The health and metrics listener (SPEC §7): `/healthz`, `/readyz` and
+//! `/metrics` (Prometheus text format; see `docs/metrics.md`).
 
 use axum::Router;
 use axum::extract::State;
@@ -7,15 +8,29 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use std::sync::Arc;
+
+use async_nats::jetstream::consumer::PullConsumer;
+
+use crate::bus::streams::FETCH_STREAM;
+use crate::fetch::federation::FederationClient;
+use crate::fetch::jobs::FETCH_CONSUMER;
+use crate::metrics::Metrics;
 use crate::store::Store;
 
-/// What readiness depends on.
+/// What readiness and the metrics depend on.
 #[derive(Clone)]
 pub struct Health {
     /// The NATS connection.
     pub nats: async_nats::Client,
+    /// JetStream (pending fetch jobs).
+    pub js: async_nats::jetstream::Context,
     /// The database.
     pub store: Store,
+    /// Counters and histograms.
+    pub metrics: Metrics,
+    /// The federation client (the guard's refusal count).
+    pub federation: Arc<FederationClient>,
 }
 
 /// The router.
@@ -23,6 +38,7 @@ pub fn router(health: Health) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
+        .route("/metrics", get(metrics))
         .with_state(health)
 }
 
@@ -34,6 +50,31 @@ async fn ready(State(health): State<Health>) -> (StatusCode, &'static str) {
         (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "nats unavailable\n"),
         (true, false) => (StatusCode::SERVICE_UNAVAILABLE, "database unavailable\n"),
     }
+}
+
+/// Refreshes the scrape-time gauges and renders every metric. A source that
+/// does not answer leaves its gauge at the last value.
+async fn metrics(State(health): State<Health>) -> impl axum::response::IntoResponse {
+    let stale = health.store.stale_user_count().await.ok();
+    let backlog = health.store.outbox_len().await.ok();
+    let jobs = async {
+        let stream = health.js.get_stream(FETCH_STREAM).await.ok()?;
+        let mut consumer: PullConsumer = stream.get_consumer(FETCH_CONSUMER).await.ok()?;
+        let info = consumer.info().await.ok()?;
+        Some(info.num_pending + info.num_ack_pending as u64)
+    }
+    .await;
+    health.metrics.set_state(stale, backlog, jobs);
+    health
+        .metrics
+        .set_outbound_refused(health.federation.refused_connections());
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        health.metrics.render(),
+    )
 }
 
 /// Serves until `shutdown` turns true.

@@ -53,6 +53,8 @@ pub struct Ingest {
     pub lease_ttl: Duration,
     /// The input consumer's ack wait.
     pub ack_wait: Duration,
+    /// Counters and histograms.
+    pub metrics: crate::metrics::Metrics,
 }
 
 /// One message of a batch and what the checks made of it.
@@ -213,7 +215,14 @@ impl Ingest {
             nak_all(items.iter().map(|i| &i.message), None).await;
             return;
         }
-        for batch in applied.into_iter().filter_map(|a| a.outbox) {
+        let origin = oldest_publish_time(items.iter().map(|i| &i.message));
+        for applied in &applied {
+            for outcome in &applied.plan.outcomes {
+                self.metrics.update(outcome.as_str());
+            }
+        }
+        for mut batch in applied.into_iter().filter_map(|a| a.outbox) {
+            batch.origin = origin.map(|at| ("update", at));
             self.outbox.committed(batch).await;
         }
         let applied = started.elapsed();
@@ -281,6 +290,7 @@ impl Ingest {
         rejection: &Rejection,
     ) -> Result<async_nats::jetstream::context::PublishAckFuture, String> {
         tracing::info!(reason = %rejection.reason, error = %rejection.error, subject = %message.subject, "dead letter");
+        self.metrics.dead_letter(rejection.reason.as_str());
         let origin_id = message
             .info()
             .map(|i| format!("{}:{}", i.stream, i.stream_sequence))
@@ -428,6 +438,18 @@ impl Ingest {
             std::process::abort();
         }
     }
+}
+
+/// When the oldest of `messages` entered JetStream.
+fn oldest_publish_time<'a>(
+    messages: impl Iterator<Item = &'a Message>,
+) -> Option<std::time::SystemTime> {
+    messages
+        .filter_map(|m| m.info().ok())
+        .map(|info| info.published.unix_timestamp_nanos())
+        .min()
+        .and_then(|nanos| u64::try_from(nanos).ok())
+        .map(|nanos| UNIX_EPOCH + Duration::from_nanos(nanos))
 }
 
 /// A batch's place in the pipeline.

@@ -22,6 +22,7 @@ pub mod http;
 pub mod ingest;
 pub mod input;
 pub mod key_change;
+pub mod metrics;
 pub mod rpc;
 pub mod signing_key;
 pub mod store;

@@ -19,6 +19,7 @@ use crate::fetch::retry::RetryPolicy;
 use crate::fetch::writer::FetchWriter;
 use crate::http::{self, Health};
 use crate::ingest::Ingest;
+use crate::metrics::Metrics;
 use crate::store::Store;
 
 /// Fault injection for crash tests, set with `DLU_FAULT` (never in production).
@@ -157,16 +158,27 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
 
     let (shutdown, stop) = watch::channel(false);
     let mut tasks = JoinSet::new();
+    let metrics = Metrics::new();
+    let federation = Arc::new(federation);
     let health = Health {
         nats: client.clone(),
+        js: js.clone(),
         store: store.clone(),
+        metrics: metrics.clone(),
+        federation: federation.clone(),
     };
     tasks.spawn(http::serve(listener, health, stop.clone()));
-    let (publisher, outbox) = Publisher::new(store.clone(), js.clone(), instance_id, faults);
+    let (publisher, outbox) = Publisher::new(
+        store.clone(),
+        js.clone(),
+        instance_id,
+        faults,
+        metrics.clone(),
+    );
     let fetcher = Fetcher {
         js: js.clone(),
         store: store.clone(),
-        client: Arc::new(federation),
+        client: federation,
         policy: RetryPolicy {
             min: config.retry_min,
             max: config.retry_max,
@@ -175,6 +187,7 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         concurrency: config.fetch_concurrency,
         writer: FetchWriter::start(store.clone(), config.max_devices, outbox.clone()),
         ack_wait: config.ack_wait,
+        metrics: metrics.clone(),
     };
     tasks.spawn(fetcher.run(fetch_consumer, stop.clone()));
     let rpc = crate::rpc::Rpc {
@@ -203,6 +216,7 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         leases,
         lease_ttl: config.lease_ttl,
         ack_wait: config.ack_wait,
+        metrics,
     };
     for (stream, consumer) in consumers {
         tasks.spawn(ingest.clone().run(stream, consumer, stop.clone()));

@@ -18,6 +18,7 @@ use async_nats::jetstream::Context;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
+use crate::metrics::Metrics;
 use crate::store::Store;
 use crate::store::outbox::{OutboxBatch, OutboxEvent};
 use crate::worker::Faults;
@@ -62,6 +63,7 @@ pub struct Publisher {
     queue: mpsc::Receiver<OutboxBatch>,
     sweep: Arc<Notify>,
     faults: Faults,
+    metrics: Metrics,
 }
 
 impl Publisher {
@@ -71,6 +73,7 @@ impl Publisher {
         js: Context,
         instance_id: String,
         faults: Faults,
+        metrics: Metrics,
     ) -> (Publisher, OutboxHandle) {
         let (tx, rx) = mpsc::channel(QUEUE);
         let sweep = Arc::new(Notify::new());
@@ -81,6 +84,7 @@ impl Publisher {
             queue: rx,
             sweep: sweep.clone(),
             faults,
+            metrics,
         };
         (publisher, OutboxHandle { queue: tx, sweep })
     }
@@ -194,6 +198,15 @@ impl Publisher {
         if self.faults.crash_after_publish {
             tracing::error!("fault injection: crashing after publish, before outbox delete");
             std::process::abort();
+        }
+        let now = std::time::SystemTime::now();
+        for batch in batches {
+            let (source, latency) = match batch.origin {
+                Some((source, at)) => (source, now.duration_since(at).ok()),
+                None => ("table", None),
+            };
+            self.metrics
+                .published(batch.events.len(), source, latency.map(|d| d.as_secs_f64()));
         }
         let ids: Vec<i64> = batches.iter().map(|b| b.id).collect();
         self.store

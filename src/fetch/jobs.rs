@@ -78,6 +78,8 @@ pub struct Fetcher {
     pub writer: FetchWriter,
     /// The consumer's ack wait: progress acks go out three times per period.
     pub ack_wait: Duration,
+    /// Counters and histograms.
+    pub metrics: crate::metrics::Metrics,
 }
 
 /// How one job ended.
@@ -155,7 +157,9 @@ impl Fetcher {
             .unwrap_or(1);
         let end = {
             let keep_alive = keep_alive(&message, self.ack_wait / 3);
+            self.metrics.fetches_in_flight(1);
             let end = self.run_job(&job.server_name, failures, &shutdown).await;
+            self.metrics.fetches_in_flight(-1);
             keep_alive.abort();
             end
         };
@@ -248,7 +252,17 @@ impl Fetcher {
         user: &OwnedUserId,
         mark: &crate::decide::StaleMark,
     ) -> Result<(), FetchFailure> {
-        let (list, unreadable) = self.client.get_devices(user).await?;
+        let server = user.server_name().as_str();
+        let started = std::time::Instant::now();
+        let answer = self.client.get_devices(user).await;
+        let seconds = started.elapsed().as_secs_f64();
+        let (list, unreadable) = match answer {
+            Ok(answer) => answer,
+            Err(failure) => {
+                self.metrics.fetch(server, failure_label(&failure), seconds);
+                return Err(failure);
+            }
+        };
         if unreadable > 0 {
             tracing::warn!(%user, unreadable, "left out unreadable device entries");
         }
@@ -264,10 +278,22 @@ impl Fetcher {
                 failure: Failure::Transient,
                 reason: format!("cannot store the list: {e}"),
             })?
-            .map_err(|refusal| FetchFailure {
-                failure: Failure::Transient,
-                reason: format!("answer refused: {refusal:?}"),
+            .map_err(|refusal| {
+                self.metrics.fetch(server, "user_mismatch", seconds);
+                FetchFailure {
+                    failure: Failure::Transient,
+                    reason: format!("answer refused: {refusal:?}"),
+                }
             })?;
+        self.metrics.fetch(
+            server,
+            if plan.too_many_devices.is_some() {
+                "too_many_devices"
+            } else {
+                "stored"
+            },
+            seconds,
+        );
         if !plan.skipped_devices.is_empty() {
             tracing::warn!(%user, devices = ?plan.skipped_devices, "skipped devices whose keys name another user or device");
         }
@@ -278,6 +304,15 @@ impl Fetcher {
             tracing::warn!(%user, count, max = self.max_devices, "device list over DLU_MAX_DEVICES not stored");
         }
         Ok(())
+    }
+}
+
+/// The metric label of a failed fetch.
+fn failure_label(failure: &FetchFailure) -> &'static str {
+    match failure.failure {
+        Failure::Transient => "failed",
+        Failure::SlowDown(_) => "rate_limited",
+        Failure::Refused => "refused_by_server",
     }
 }
 

@@ -48,6 +48,12 @@ impl Store {
             .collect())
     }
 
+    /// How many users are stale.
+    pub async fn stale_user_count(&self) -> Result<u64, DbErr> {
+        use sea_orm::PaginatorTrait;
+        stale_user::Entity::find().count(&self.db).await
+    }
+
     /// Every server with stale users (for the start-up rescan).
     pub async fn servers_with_stale_users(&self) -> Result<Vec<String>, DbErr> {
         stale_user::Entity::find()

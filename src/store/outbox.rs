@@ -30,6 +30,9 @@ pub struct OutboxBatch {
     pub id: i64,
     /// The events, in the order they are published.
     pub events: Vec<OutboxEvent>,
+    /// Where the batch came from and when its oldest cause entered JetStream,
+    /// for the latency metric (None: read back from the table).
+    pub origin: Option<(&'static str, std::time::SystemTime)>,
 }
 
 impl OutboxEvent {
@@ -77,6 +80,7 @@ fn decode(row: key_change_outbox::Model) -> Result<OutboxBatch, DbErr> {
     let stored: Vec<StoredEvent> = serde_json::from_str(&row.events)
         .map_err(|e| DbErr::Custom(format!("outbox row {} is not an event list: {e}", row.id)))?;
     Ok(OutboxBatch {
+        origin: None,
         id: row.id,
         events: stored
             .into_iter()
@@ -177,7 +181,14 @@ mod tests {
             event_count: 2,
             created_at_ms: 0,
         };
-        assert_eq!(decode(row).unwrap(), OutboxBatch { id: 7, events });
+        assert_eq!(
+            decode(row).unwrap(),
+            OutboxBatch {
+                id: 7,
+                events,
+                origin: None
+            }
+        );
     }
 
     #[test]

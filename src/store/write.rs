@@ -118,5 +118,9 @@ pub(super) async fn plan<C: ConnectionTrait>(
 
     let events: Vec<OutboxEvent> = plan.events.iter().map(OutboxEvent::from_change).collect();
     let id = outbox::record(db, &events, now_ms).await?;
-    Ok(id.map(|id| OutboxBatch { id, events }))
+    Ok(id.map(|id| OutboxBatch {
+        id,
+        events,
+        origin: None,
+    }))
 }

@@ -231,17 +231,27 @@ pub use device_list_updater::testkit::create_input_stream;
 
 /// `GET path` over plain HTTP/1.1; returns the status code.
 pub async fn http_status(addr: std::net::SocketAddr, path: &str) -> u16 {
+    http_get(addr, path).await.0
+}
+
+/// `GET path` over plain HTTP/1.1; returns the status code and the body.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
     stream.write_all(request.as_bytes()).await.expect("write");
     let mut response = String::new();
     stream.read_to_string(&mut response).await.expect("read");
-    response
+    let status = response
         .split_whitespace()
         .nth(1)
         .and_then(|code| code.parse().ok())
-        .expect("status line")
+        .expect("status line");
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    (status, body)
 }
 
 /// The binary under test.

@@ -1,0 +1,236 @@
+//! Prometheus metrics (SPEC §7), served at `/metrics` in the text format.
+//! Every metric is described in `docs/metrics.md`.
+//!
+//! Counters and histograms are updated where things happen; the gauges that
+//! describe shared state (stale users, outbox backlog, pending fetch jobs)
+//! are read from the database and JetStream when scraped, so every replica
+//! reports the same truth.
+
+use std::sync::Arc;
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+/// Buckets for latencies from milliseconds to minutes (seconds).
+const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
+/// The worker's metrics. Cheap to clone.
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    registry: Registry,
+    /// Input messages by outcome.
+    updates: IntCounterVec,
+    /// Dead letters by reason.
+    dead_letters: IntCounterVec,
+    /// Fetches by outcome and server.
+    fetches: IntCounterVec,
+    /// Federation request latency by outcome.
+    federation_seconds: HistogramVec,
+    /// Fetch jobs running on this replica.
+    fetches_in_flight: IntGauge,
+    /// Key changes published to KEY_CHANGE.
+    key_changes: IntCounter,
+    /// Input publish → key change published, per batch (oldest update).
+    update_to_key_change: HistogramVec,
+    /// Connections refused by the outbound guard.
+    outbound_refused: IntCounter,
+    /// Scrape-time gauges.
+    stale_users: IntGauge,
+    outbox_backlog: IntGauge,
+    fetch_jobs_pending: IntGauge,
+}
+
+fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let metric = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("unique metric");
+    metric
+}
+
+fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
+    let metric = IntCounter::new(name, help).expect("valid metric");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("unique metric");
+    metric
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+    let metric = IntGauge::new(name, help).expect("valid metric");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("unique metric");
+    metric
+}
+
+fn histogram(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> HistogramVec {
+    let metric = HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
+        labels,
+    )
+    .expect("valid metric");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("unique metric");
+    metric
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    /// A fresh set of metrics in its own registry.
+    pub fn new() -> Metrics {
+        let r = Registry::new();
+        let inner = Inner {
+            updates: counter_vec(
+                &r,
+                "dlu_updates_total",
+                "Input messages applied, by outcome.",
+                &["outcome"],
+            ),
+            dead_letters: counter_vec(
+                &r,
+                "dlu_dead_letters_total",
+                "Input messages dead-lettered, by reason.",
+                &["reason"],
+            ),
+            fetches: counter_vec(
+                &r,
+                "dlu_fetches_total",
+                "Device-list fetches, by outcome and remote server.",
+                &["outcome", "server"],
+            ),
+            federation_seconds: histogram(
+                &r,
+                "dlu_federation_request_seconds",
+                "Federation request duration, by outcome.",
+                &["outcome"],
+            ),
+            fetches_in_flight: gauge(
+                &r,
+                "dlu_fetches_in_flight",
+                "Fetch jobs (remote servers) being worked on by this replica.",
+            ),
+            key_changes: counter(
+                &r,
+                "dlu_key_changes_published_total",
+                "Key-change events published to KEY_CHANGE.",
+            ),
+            update_to_key_change: histogram(
+                &r,
+                "dlu_update_to_key_change_seconds",
+                "From the oldest input message of a batch entering JetStream to its key changes being published.",
+                &["source"],
+            ),
+            outbound_refused: counter(
+                &r,
+                "dlu_outbound_refused_total",
+                "Connections the outbound guard refused (private, loopback, ... addresses).",
+            ),
+            stale_users: gauge(
+                &r,
+                "dlu_stale_users",
+                "Users marked stale (whole deployment).",
+            ),
+            outbox_backlog: gauge(
+                &r,
+                "dlu_outbox_backlog",
+                "Outbox rows (transactions) not yet published (whole deployment).",
+            ),
+            fetch_jobs_pending: gauge(
+                &r,
+                "dlu_fetch_jobs_pending",
+                "Fetch jobs queued or in back-off in DEVICE_LIST_FETCH.",
+            ),
+            registry: r,
+        };
+        Metrics {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// Counts applied input messages by outcome label.
+    pub fn update(&self, outcome: &str) {
+        self.inner.updates.with_label_values(&[outcome]).inc();
+    }
+
+    /// Counts a dead letter.
+    pub fn dead_letter(&self, reason: &str) {
+        self.inner.dead_letters.with_label_values(&[reason]).inc();
+    }
+
+    /// Counts a fetch and records its request time.
+    pub fn fetch(&self, server: &str, outcome: &str, seconds: f64) {
+        self.inner
+            .fetches
+            .with_label_values(&[outcome, server])
+            .inc();
+        self.inner
+            .federation_seconds
+            .with_label_values(&[outcome])
+            .observe(seconds);
+    }
+
+    /// A fetch job started (+1) or ended (−1) on this replica.
+    pub fn fetches_in_flight(&self, delta: i64) {
+        self.inner.fetches_in_flight.add(delta);
+    }
+
+    /// Counts published key changes and the latency of their batch.
+    pub fn published(&self, events: usize, source: &str, seconds: Option<f64>) {
+        self.inner.key_changes.inc_by(events as u64);
+        if let Some(seconds) = seconds {
+            self.inner
+                .update_to_key_change
+                .with_label_values(&[source])
+                .observe(seconds);
+        }
+    }
+
+    /// Sets the guard's refusal count (kept by the federation client).
+    pub fn set_outbound_refused(&self, total: u64) {
+        let now = self.inner.outbound_refused.get();
+        if total > now {
+            self.inner.outbound_refused.inc_by(total - now);
+        }
+    }
+
+    /// Sets the scrape-time gauges.
+    pub fn set_state(
+        &self,
+        stale_users: Option<u64>,
+        outbox_backlog: Option<u64>,
+        jobs: Option<u64>,
+    ) {
+        let set = |gauge: &IntGauge, value: Option<u64>| {
+            if let Some(v) = value {
+                gauge.set(i64::try_from(v).unwrap_or(i64::MAX));
+            }
+        };
+        set(&self.inner.stale_users, stale_users);
+        set(&self.inner.outbox_backlog, outbox_backlog);
+        set(&self.inner.fetch_jobs_pending, jobs);
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.inner.registry.gather(), &mut out) {
+            tracing::warn!(error = %e, "cannot encode metrics");
+        }
+        String::from_utf8(out).unwrap_or_default()
+    }
+}

@@ -1,0 +1,76 @@
+//! `/metrics`: the counters move when work is done, and the scrape-time
+//! gauges read the shared state.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Backend, Nats, TestDb, publish};
+use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
+use device_list_updater::worker::{self, Faults};
+use serde_json::json;
+
+const ALICE: &str = "@alice:remote.example";
+
+/// The value of the sample `name` (with its labels, as printed), if present.
+fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+async fn metrics_follow_the_work(backend: Backend) {
+    let nats = Nats::start().await;
+    let db = TestDb::new(backend).await;
+    let mut config = common::config(&nats, &db);
+    let fleet = MockFederation::trusting(&config, Duration::ZERO).await;
+    fleet.serve(&mut config, ["remote.example"]);
+    fleet.script(
+        ALICE,
+        vec![Reply::Json(device_list(ALICE, 4, &[("D1", "Phone")]))],
+    );
+    let running = worker::start(config, Faults::default()).await.unwrap();
+    let js = nats.js().await;
+    publish(&js, "devicelist.in.update", "not json", None).await;
+    publish(
+        &js,
+        "devicelist.in.resync",
+        &json!({"user_id": ALICE}).to_string(),
+        None,
+    )
+    .await;
+
+    let text = common::eventually(Duration::from_secs(20), "metrics settle", || async {
+        let (status, text) = common::http_get(running.http_addr, "/metrics").await;
+        assert_eq!(status, 200);
+        let done = sample(&text, "dlu_key_changes_published_total") == Some(1.0)
+            && sample(&text, "dlu_stale_users") == Some(0.0)
+            && sample(&text, "dlu_outbox_backlog") == Some(0.0);
+        done.then_some(text)
+    })
+    .await;
+    let expect = [
+        ("dlu_updates_total{outcome=\"resync_requested\"}", 1.0),
+        ("dlu_dead_letters_total{reason=\"not_json\"}", 1.0),
+        (
+            "dlu_fetches_total{outcome=\"stored\",server=\"remote.example\"}",
+            1.0,
+        ),
+        (
+            "dlu_federation_request_seconds_count{outcome=\"stored\"}",
+            1.0,
+        ),
+        (
+            "dlu_update_to_key_change_seconds_count{source=\"fetch\"}",
+            1.0,
+        ),
+        ("dlu_fetch_jobs_pending", 0.0),
+        ("dlu_fetches_in_flight", 0.0),
+        ("dlu_outbound_refused_total", 0.0),
+    ];
+    for (name, value) in expect {
+        assert_eq!(sample(&text, name), Some(value), "{name} in\n{text}");
+    }
+    running.stop(Duration::from_secs(10)).await;
+}
+both_backends!(follow, metrics_follow_the_work);
