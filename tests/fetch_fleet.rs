@@ -239,3 +239,88 @@ async fn kill_during_fetches(backend: Backend) {
     restarted.start_kill().expect("kill");
 }
 both_backends!(killed_replica, kill_during_fetches);
+
+/// SIGTERM while a request hangs: the worker exits 0 well within 10 s and
+/// gives the job back (NAK), rather than leaving it to the ack wait.
+async fn sigterm_during_a_hanging_fetch(backend: Backend) {
+    let nats = Nats::start().await;
+    let db = TestDb::new(backend).await;
+    let key_dir = tempfile::tempdir().unwrap();
+    let key = SigningKey::generate().unwrap();
+    key.write_new(&key_dir.path().join("signing.key")).unwrap();
+    let pair = key.key_pair().unwrap();
+    let fleet = MockFederation::start(
+        common::OUR_SERVER,
+        key.version(),
+        pair.public_key(),
+        Duration::ZERO,
+    )
+    .await;
+    let user = "@alice:hangs.example";
+    fleet.script(
+        user,
+        vec![
+            Reply::Hang,
+            Reply::Json(device_list(user, 1, &[("D", "P")])),
+        ],
+    );
+    let mut child = tokio::process::Command::new(common::binary())
+        .arg("run")
+        .env("DLU_SERVER_NAME", common::OUR_SERVER)
+        .env("DLU_SIGNING_KEY_PATH", key_dir.path().join("signing.key"))
+        .env("DLU_DATABASE_URL", &db.url)
+        .env("DLU_NATS_URL", &nats.url)
+        .env("DLU_HTTP_ADDR", "127.0.0.1:0")
+        .env(
+            "DLU_FEDERATION_OVERRIDES",
+            format!("hangs.example={}", fleet.base_url()),
+        )
+        .env("DLU_ACK_WAIT", "1m")
+        .env("RUST_LOG", "warn")
+        .env_remove("DLU_FAULT")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn worker");
+    let js = nats.js().await;
+    common::eventually(Duration::from_secs(20), "input stream", || async {
+        js.get_stream("DEVICE_LIST_INPUT").await.ok().map(|_| ())
+    })
+    .await;
+    resync_all(&js, &[user.to_owned()]).await;
+    common::eventually(Duration::from_secs(20), "the request hangs", || async {
+        (fleet.requests(user) == 1).then_some(())
+    })
+    .await;
+    let pid = child.id().expect("pid");
+    let started = std::time::Instant::now();
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exit = tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .expect("exits within 10 s")
+        .unwrap();
+    assert!(exit.success(), "SIGTERM must exit 0, got {exit}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // Given back: a new replica gets the job at once, not after the
+    // one-minute ack wait.
+    let mut config = common::config(&nats, &db);
+    config.signing_key = key;
+    fleet.serve(&mut config, ["hangs.example"]);
+    config.ack_wait = Duration::from_secs(60);
+    let successor = worker::start(config, Faults::default()).await.unwrap();
+    common::eventually(
+        Duration::from_secs(15),
+        "fetched by the successor",
+        || async {
+            (stale_count(&successor.store).await == 0 && fleet.requests(user) == 2).then_some(())
+        },
+    )
+    .await;
+    successor.stop(Duration::from_secs(10)).await;
+}
+both_backends!(sigterm_hanging, sigterm_during_a_hanging_fetch);

@@ -185,7 +185,9 @@ impl Fetcher {
                 let _ = message.ack_with(AckKind::Nak(Some(delay))).await;
             }
             JobEnd::Interrupted => {
-                let _ = message.ack_with(AckKind::Nak(None)).await;
+                // Stopping: give the job back, delayed past this replica's
+                // open pull so it is not handed straight back to us.
+                let _ = message.ack_with(AckKind::Nak(Some(PULL_EXPIRY * 2))).await;
             }
         }
     }
@@ -232,7 +234,16 @@ impl Fetcher {
                 if *shutdown.borrow() {
                     return JobEnd::Interrupted;
                 }
-                if let Err(failure) = self.fetch_user(&user, &mark).await {
+                // On shutdown a request in flight is abandoned and the job
+                // given back at once, rather than holding the stop for up to
+                // DLU_FEDERATION_TIMEOUT. A list already handed to the writer
+                // is still stored by it.
+                let mut stop = shutdown.clone();
+                let fetched_one = tokio::select! {
+                    result = self.fetch_user(&user, &mark) => result,
+                    _ = stop.wait_for(|s| *s) => return JobEnd::Interrupted,
+                };
+                if let Err(failure) = fetched_one {
                     tracing::info!(%user, reason = %failure.reason, "fetch failed");
                     if let Err(e) = self.store.note_fetch_error(&user, &failure.reason).await {
                         tracing::debug!(error = %e, "cannot record the fetch error");
