@@ -44,13 +44,9 @@ const STOP_GRACE: Duration = Duration::from_secs(9);
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    if let Err(e) = init_logging(std::env::var("DLU_LOG_FORMAT").ok().as_deref()) {
+        return fail(2, &e);
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => return fail(1, &format!("cannot start the runtime: {e}")),
@@ -62,6 +58,27 @@ fn main() -> ExitCode {
             Command::Run { settings } => run(&settings, cli.config.as_deref()).await,
         }
     })
+}
+
+/// Logs go to stderr, as human text (`DLU_LOG_FORMAT=text`, the default) or
+/// one JSON object per line (`json`); the level comes from `RUST_LOG`
+/// (default `info`).
+fn init_logging(format: Option<&str>) -> Result<(), String> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format.map(str::trim) {
+        None | Some("") | Some("text") => builder.init(),
+        Some("json") => builder.json().init(),
+        Some(other) => {
+            return Err(format!(
+                "configuration: DLU_LOG_FORMAT must be text or json, not {other:?}"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Prints one line on stderr and returns `code`.

@@ -141,3 +141,33 @@ async fn migrate_creates_the_schema() {
         "the outbox table exists"
     );
 }
+
+#[tokio::test]
+async fn logs_can_be_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!(
+        "sqlite://{}?mode=rwc",
+        dir.path().join("db.sqlite").display()
+    );
+    let out = run(
+        &["migrate"],
+        &[("DLU_DATABASE_URL", &db), ("DLU_LOG_FORMAT", "json")],
+    )
+    .await;
+    assert!(out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("migrations applied"))
+        .expect("the migrate log line");
+    let json: serde_json::Value = serde_json::from_str(line).expect("a JSON log line");
+    assert_eq!(json["level"], "INFO");
+    assert_eq!(json["fields"]["message"], "migrations applied");
+
+    let out = run(
+        &["migrate"],
+        &[("DLU_DATABASE_URL", &db), ("DLU_LOG_FORMAT", "xml")],
+    )
+    .await;
+    one_line_error(&out, "DLU_LOG_FORMAT");
+}
