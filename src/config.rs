@@ -306,6 +306,13 @@ impl Sources {
             .to_owned()
     }
 
+    /// The NATS URL(s) (for admin commands).
+    pub fn nats_url(&self) -> String {
+        self.get("nats_url")
+            .unwrap_or("nats://127.0.0.1:4222")
+            .to_owned()
+    }
+
     /// Resolves everything `run` needs, reading the signing key.
     pub fn run_config(&self) -> Result<Config, ConfigError> {
         let server_name = self

@@ -14,6 +14,7 @@
 //! * [`rpc`]: the query and resync request-reply subjects;
 //! * [`worker`]: starts everything for `device-list-updater run`.
 
+pub mod admin;
 pub mod bus;
 pub mod config;
 pub mod decide;

@@ -9,6 +9,32 @@ use device_list_updater::config::{SettingsArgs, Sources};
 use device_list_updater::signing_key::SigningKey;
 use device_list_updater::worker::{self, Faults};
 
+/// Admin subcommands.
+#[derive(Subcommand)]
+enum AdminCommand {
+    /// Show what is stored for users: devices, stream id, keys, stale flag.
+    User {
+        /// User ids.
+        #[arg(required = true)]
+        users: Vec<String>,
+    },
+    /// Count stale users per server; with --server, list that server's.
+    Stale {
+        /// List the stale users of this server.
+        #[arg(long)]
+        server: Option<String>,
+    },
+    /// Mark a user stale and queue its server's fetch (a worker fetches it).
+    Resync {
+        /// The user id.
+        user: String,
+    },
+    /// Show the streams and consumers.
+    Streams,
+    /// Publish what the outbox holds now.
+    ReplayOutbox,
+}
+
 /// Keeps a Matrix homeserver's copy of remote users' device lists up to date.
 #[derive(Parser)]
 #[command(name = "device-list-updater", version)]
@@ -31,6 +57,16 @@ enum Command {
     Migrate {
         #[command(flatten)]
         settings: SettingsArgs,
+    },
+    /// Look at or nudge what the workers share (database, NATS).
+    Admin {
+        #[command(flatten)]
+        settings: SettingsArgs,
+        /// Print JSON instead of text.
+        #[arg(long, global = true)]
+        json: bool,
+        #[command(subcommand)]
+        command: AdminCommand,
     },
     /// Write a new signing key file and print its key id.
     GenerateKey {
@@ -56,8 +92,62 @@ fn main() -> ExitCode {
             Command::GenerateKey { path } => generate_key(&path),
             Command::Migrate { settings } => migrate(&settings, cli.config.as_deref()).await,
             Command::Run { settings } => run(&settings, cli.config.as_deref()).await,
+            Command::Admin {
+                settings,
+                json,
+                command,
+            } => admin(&settings, cli.config.as_deref(), json, command).await,
         }
     })
+}
+
+async fn admin(
+    settings: &SettingsArgs,
+    config: Option<&std::path::Path>,
+    json: bool,
+    command: AdminCommand,
+) -> ExitCode {
+    use device_list_updater::admin;
+    let sources = match Sources::load(settings, config) {
+        Ok(sources) => sources,
+        Err(e) => return fail(2, &e.to_string()),
+    };
+    let store = match worker::open_store(&sources.database_url(), Duration::from_secs(10)).await {
+        Ok(store) => store,
+        Err(e) => return fail(2, &e.to_string()),
+    };
+    let needs_nats = matches!(
+        command,
+        AdminCommand::Resync { .. } | AdminCommand::Streams | AdminCommand::ReplayOutbox
+    );
+    let js = if needs_nats {
+        match device_list_updater::bus::connect(&sources.nats_url(), Duration::from_secs(10)).await
+        {
+            Ok(client) => Some(async_nats::jetstream::new(client)),
+            Err(e) => return fail(2, &e),
+        }
+    } else {
+        None
+    };
+    let result = match (command, js.as_ref()) {
+        (AdminCommand::User { users }, _) => admin::user(&store, &users).await,
+        (AdminCommand::Stale { server }, _) => admin::stale(&store, server.as_deref()).await,
+        (AdminCommand::Resync { user }, Some(js)) => admin::resync(&store, js, &user).await,
+        (AdminCommand::Streams, Some(js)) => admin::streams(js).await,
+        (AdminCommand::ReplayOutbox, Some(js)) => admin::replay_outbox(&store, js).await,
+        _ => Err("NATS is needed for this command".into()),
+    };
+    match result {
+        Ok(value) if json => {
+            println!("{value}");
+            ExitCode::SUCCESS
+        }
+        Ok(value) => {
+            print!("{}", admin::to_text(&value));
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(1, &e),
+    }
 }
 
 /// Logs go to stderr, as human text (`DLU_LOG_FORMAT=text`, the default) or

@@ -48,6 +48,19 @@ impl Store {
             .collect())
     }
 
+    /// Stale users per server.
+    pub async fn stale_counts(&self) -> Result<Vec<(String, i64)>, DbErr> {
+        stale_user::Entity::find()
+            .select_only()
+            .column(stale_user::Column::ServerName)
+            .column_as(stale_user::Column::UserId.count(), "n")
+            .group_by(stale_user::Column::ServerName)
+            .order_by_asc(stale_user::Column::ServerName)
+            .into_tuple::<(String, i64)>()
+            .all(&self.db)
+            .await
+    }
+
     /// How many users are stale.
     pub async fn stale_user_count(&self) -> Result<u64, DbErr> {
         use sea_orm::PaginatorTrait;

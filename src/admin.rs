@@ -1,0 +1,196 @@
+//! Admin commands (`device-list-updater admin …`): read and nudge the same
+//! database and NATS the workers use. Each returns JSON; the command line
+//! prints it as is (`--json`) or as text for people.
+
+use std::collections::BTreeMap;
+
+use async_nats::jetstream;
+use ruma::OwnedUserId;
+use serde_json::{Value, json};
+
+use crate::bus::fetch_jobs;
+use crate::bus::streams::{
+    DEAD_STREAM, FETCH_STREAM, INPUT_CONSUMER, INPUT_STREAM, KEY_CHANGE_STREAM,
+};
+use crate::fetch::jobs::FETCH_CONSUMER;
+use crate::input::{InputMessage, ResyncRequest};
+use crate::store::Store;
+
+/// What is stored for `users` (the same shape as the query RPC's reply).
+pub async fn user(store: &Store, users: &[String]) -> Result<Value, String> {
+    let views = store.query_users(users).await.map_err(|e| e.to_string())?;
+    let raw = |json: &Option<String>| -> Value {
+        json.as_deref()
+            .and_then(|j| serde_json::from_str(j).ok())
+            .unwrap_or(Value::Null)
+    };
+    let users: serde_json::Map<String, Value> = views
+        .iter()
+        .map(|(user, view)| {
+            let devices: serde_json::Map<String, Value> = view
+                .devices
+                .iter()
+                .map(|(id, d)| {
+                    (
+                        id.clone(),
+                        json!({"display_name": d.display_name, "keys": raw(&d.keys)}),
+                    )
+                })
+                .collect();
+            (
+                user.clone(),
+                json!({"tracked": view.tracked, "stale": view.stale, "stream_id": view.stream_id,
+                       "devices": devices, "master_key": raw(&view.master_key),
+                       "self_signing_key": raw(&view.self_signing_key)}),
+            )
+        })
+        .collect();
+    Ok(json!({"users": users}))
+}
+
+/// Stale users: counts per server, and the users of `server` if given.
+pub async fn stale(store: &Store, server: Option<&str>) -> Result<Value, String> {
+    let counts: BTreeMap<String, i64> = store
+        .stale_counts()
+        .await
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .collect();
+    let mut out = json!({"total": counts.values().sum::<i64>(), "servers": counts});
+    if let Some(server) = server {
+        let parsed = ruma::OwnedServerName::try_from(server)
+            .map_err(|e| format!("server name {server:?}: {e}"))?;
+        let users = store
+            .stale_users(&parsed, 10_000)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut listed = Vec::new();
+        for (user, mark) in users {
+            let error = store
+                .stale_state(&user)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|(_, e)| e);
+            listed.push(json!({"user_id": user, "marked_at_ms": mark.marked_at_ms,
+                               "trigger_stream_ids": mark.trigger_ids, "last_error": error}));
+        }
+        out["users"] = Value::from(listed);
+    }
+    Ok(out)
+}
+
+/// Marks `user` stale and enqueues its server's fetch job; a running worker
+/// fetches it.
+pub async fn resync(store: &Store, js: &jetstream::Context, user: &str) -> Result<Value, String> {
+    let user = OwnedUserId::try_from(user).map_err(|e| format!("user id {user:?}: {e}"))?;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0);
+    store
+        .apply_batch(
+            &[InputMessage::Resync(ResyncRequest {
+                user_id: user.clone(),
+            })],
+            now_ms,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    fetch_jobs::enqueue(js, [&user.server_name().to_owned()]).await?;
+    Ok(json!({"user_id": user, "marked_stale": true, "job_enqueued": true}))
+}
+
+/// Streams and consumers as JetStream reports them.
+pub async fn streams(js: &jetstream::Context) -> Result<Value, String> {
+    let mut out = serde_json::Map::new();
+    for name in [INPUT_STREAM, KEY_CHANGE_STREAM, DEAD_STREAM, FETCH_STREAM] {
+        let mut entry = json!({"exists": false});
+        if let Ok(mut stream) = js.get_stream(name).await
+            && let Ok(info) = stream.info().await
+        {
+            entry = json!({"exists": true, "messages": info.state.messages, "bytes": info.state.bytes,
+                           "first_sequence": info.state.first_sequence, "last_sequence": info.state.last_sequence,
+                           "subjects": info.config.subjects});
+            let consumer = match name {
+                INPUT_STREAM => Some(INPUT_CONSUMER),
+                FETCH_STREAM => Some(FETCH_CONSUMER),
+                _ => None,
+            };
+            if let Some(consumer_name) = consumer
+                && let Ok(mut consumer) = stream
+                    .get_consumer::<async_nats::jetstream::consumer::pull::Config>(consumer_name)
+                    .await
+                && let Ok(info) = consumer.info().await
+            {
+                entry["consumer"] = json!({"name": consumer_name, "pending": info.num_pending,
+                    "ack_pending": info.num_ack_pending, "redelivered": info.num_redelivered,
+                    "waiting": info.num_waiting});
+            }
+        }
+        out.insert(name.to_owned(), entry);
+    }
+    Ok(Value::Object(out))
+}
+
+/// Renders a result for people: nested keys as indented lines.
+pub fn to_text(value: &Value) -> String {
+    fn walk(value: &Value, indent: usize, out: &mut String) {
+        match value {
+            Value::Object(map) => {
+                for (key, value) in map {
+                    out.push_str(&"  ".repeat(indent));
+                    out.push_str(key);
+                    if value.is_object()
+                        || (value.is_array() && !value.as_array().is_some_and(Vec::is_empty))
+                    {
+                        out.push_str(":\n");
+                        walk(value, indent + 1, out);
+                    } else {
+                        out.push_str(": ");
+                        out.push_str(&scalar(value));
+                        out.push('\n');
+                    }
+                }
+            }
+            Value::Array(items) => {
+                for item in items {
+                    out.push_str(&"  ".repeat(indent));
+                    out.push_str("-\n");
+                    walk(item, indent + 1, out);
+                }
+            }
+            other => {
+                out.push_str(&"  ".repeat(indent));
+                out.push_str(&scalar(other));
+                out.push('\n');
+            }
+        }
+    }
+    fn scalar(value: &Value) -> String {
+        match value {
+            Value::String(s) => s.clone(),
+            Value::Null => "-".into(),
+            Value::Array(a) if a.is_empty() => "[]".into(),
+            other => other.to_string(),
+        }
+    }
+    let mut out = String::new();
+    walk(value, 0, &mut out);
+    out
+}
+
+/// Publishes whatever the outbox holds now (normally the workers do this
+/// themselves; for after an outage, or to check that NATS takes them).
+pub async fn replay_outbox(store: &Store, js: &jetstream::Context) -> Result<Value, String> {
+    let instance_id = store.instance_id().await.map_err(|e| e.to_string())?;
+    let (publisher, _handle) = crate::bus::publisher::Publisher::new(
+        store.clone(),
+        js.clone(),
+        instance_id,
+        crate::worker::Faults::default(),
+        crate::metrics::Metrics::new(),
+    );
+    let sent = publisher.sweep_table().await?;
+    Ok(json!({"published": sent}))
+}

@@ -1,0 +1,126 @@
+//! `device-list-updater admin …` against the same database and NATS as a
+//! running worker.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Backend, Nats, TestDb, publish};
+use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
+use device_list_updater::worker::{self, Faults};
+use serde_json::{Value, json};
+
+const ALICE: &str = "@alice:remote.example";
+const BOB: &str = "@bob:down.example";
+
+fn uid(user: &str) -> ruma::OwnedUserId {
+    ruma::OwnedUserId::try_from(user).unwrap()
+}
+
+async fn admin(db: &TestDb, nats: &Nats, args: &[&str]) -> (bool, String) {
+    let output = tokio::process::Command::new(common::binary())
+        .arg("admin")
+        .args(args)
+        .env("DLU_DATABASE_URL", &db.url)
+        .env("DLU_NATS_URL", &nats.url)
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("runs");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+    )
+}
+
+async fn admin_json(db: &TestDb, nats: &Nats, args: &[&str]) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let (ok, out) = admin(db, nats, &all).await;
+    assert!(ok, "admin {args:?} failed: {out}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("admin {args:?}: {e}: {out}"))
+}
+
+async fn admin_commands(backend: Backend) {
+    let nats = Nats::start().await;
+    let db = TestDb::new(backend).await;
+    let mut config = common::config(&nats, &db);
+    let fleet = MockFederation::trusting(&config, Duration::ZERO).await;
+    fleet.serve(&mut config, ["remote.example", "down.example"]);
+    fleet.script(
+        ALICE,
+        vec![Reply::Json(device_list(ALICE, 3, &[("D1", "Phone")]))],
+    );
+    fleet.script(BOB, vec![Reply::Status(502, json!({}), None)]);
+    let running = worker::start(config, Faults::default()).await.unwrap();
+    let js = nats.js().await;
+    for user in [ALICE, BOB] {
+        publish(
+            &js,
+            "devicelist.in.resync",
+            &json!({"user_id": user}).to_string(),
+            None,
+        )
+        .await;
+    }
+    common::eventually(
+        Duration::from_secs(20),
+        "alice fetched, bob tried",
+        || async {
+            let bob = running.store.stale_state(&uid(BOB)).await.ok()??;
+            let alice = running.store.stale_state(&uid(ALICE)).await.ok()?;
+            (alice.is_none() && bob.1.is_some()).then_some(())
+        },
+    )
+    .await;
+
+    let user = admin_json(&db, &nats, &["user", ALICE]).await;
+    assert_eq!(user["users"][ALICE]["tracked"], true);
+    assert_eq!(user["users"][ALICE]["stream_id"], 3);
+    assert_eq!(
+        user["users"][ALICE]["devices"]["D1"]["display_name"],
+        "Phone"
+    );
+    let (ok, text) = admin(&db, &nats, &["user", ALICE]).await;
+    assert!(
+        ok && text.contains("D1") && text.contains("display_name: Phone"),
+        "{text}"
+    );
+
+    let stale = admin_json(&db, &nats, &["stale"]).await;
+    assert_eq!(stale["total"], 1);
+    assert_eq!(stale["servers"]["down.example"], 1);
+    let stale = admin_json(&db, &nats, &["stale", "--server", "down.example"]).await;
+    assert_eq!(stale["users"][0]["user_id"], BOB);
+    assert!(
+        stale["users"][0]["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("502")),
+        "{stale}"
+    );
+
+    let streams = admin_json(&db, &nats, &["streams"]).await;
+    assert_eq!(streams["DEVICE_LIST_INPUT"]["exists"], true);
+    assert_eq!(
+        streams["DEVICE_LIST_INPUT"]["consumer"]["name"],
+        "device-list-updater-input"
+    );
+    assert_eq!(
+        streams["DEVICE_LIST_FETCH"]["consumer"]["name"],
+        "device-list-updater-fetch"
+    );
+
+    // A forced resync goes through the running worker: alice is asked again.
+    let resync = admin_json(&db, &nats, &["resync", ALICE]).await;
+    assert_eq!(resync["marked_stale"], true);
+    common::eventually(Duration::from_secs(20), "alice fetched again", || async {
+        let fresh = running.store.stale_state(&uid(ALICE)).await.ok()?.is_none();
+        (fleet.requests(ALICE) == 2 && fresh).then_some(())
+    })
+    .await;
+
+    let replay = admin_json(&db, &nats, &["replay-outbox"]).await;
+    assert!(replay["published"].is_u64(), "{replay}");
+    running.stop(Duration::from_secs(10)).await;
+}
+both_backends!(commands, admin_commands);
