@@ -1,0 +1,18 @@
+//! The README's demo shows key changes flowing.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_shows_key_changes() {
+    let mut out = Vec::new();
+    device_list_updater::testkit::demo::run(&mut out).await;
+    let text = String::from_utf8(out).unwrap();
+    for needle in [
+        "key_change.device → @alice:remote.example PHONE \"Alice's phone\"",
+        "key_change.device → @alice:remote.example LAPTOP \"Alice's laptop\"",
+        "key_change.device → @alice:remote.example PHONE \"Alice's new phone\"",
+        "key_change.device → @alice:remote.example LAPTOP null (deleted)",
+        "requests to remote.example in all: 1",
+        "device PHONE: \"Alice's new phone\"",
+    ] {
+        assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+    }
+}
