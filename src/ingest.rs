@@ -10,6 +10,7 @@ use async_nats::jetstream::{AckKind, Context, Message};
 use futures::StreamExt as _;
 use ruma::OwnedServerName;
 use tokio::sync::{oneshot, watch};
+use tracing::Instrument as _;
 
 use crate::bus::dead_letters::{self, DeadLetter};
 use crate::bus::fetch_jobs;
@@ -194,6 +195,15 @@ impl Ingest {
                 _ => None,
             })
             .collect();
+        let span = tracing::Span::current();
+        if !span.is_disabled() {
+            let users: std::collections::BTreeSet<&str> =
+                accepted.iter().map(|(_, m)| m.user_id().as_str()).collect();
+            span.record("users", users.len());
+            if let Some(first) = users.first() {
+                span.record("user", *first);
+            }
+        }
         let applied = self
             .apply(&items, &accepted, shutdown, turn, &mut previous_done)
             .await;
@@ -493,7 +503,17 @@ impl Pipeline {
         self.baton = Some(baton);
         let ingest = ingest.clone();
         let shutdown = shutdown.clone();
-        let task = tokio::spawn(async move { ingest.process(batch, &shutdown, order).await });
+        // `users` and `user` (the first one, to find a user's batch in a
+        // trace search) are recorded once the messages are parsed.
+        let span = tracing::info_span!(
+            "batch",
+            messages = batch.len(),
+            users = tracing::field::Empty,
+            user = tracing::field::Empty,
+        );
+        let task = tokio::spawn(
+            async move { ingest.process(batch, &shutdown, order).await }.instrument(span),
+        );
         if let Some(previous) = self.in_flight.replace(task) {
             let _ = previous.await;
         }

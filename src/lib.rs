@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod rpc;
 pub mod signing_key;
 pub mod store;
+pub mod telemetry;
 pub mod testkit;
 pub mod tls;
 pub mod worker;

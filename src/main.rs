@@ -80,14 +80,17 @@ const STOP_GRACE: Duration = Duration::from_secs(9);
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Err(e) = init_logging(std::env::var("DLU_LOG_FORMAT").ok().as_deref()) {
-        return fail(2, &e);
-    }
+    let telemetry = match device_list_updater::telemetry::Telemetry::init(
+        std::env::var("DLU_LOG_FORMAT").ok().as_deref(),
+    ) {
+        Ok(telemetry) => telemetry,
+        Err(e) => return fail(2, &e),
+    };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => return fail(1, &format!("cannot start the runtime: {e}")),
     };
-    runtime.block_on(async move {
+    let code = runtime.block_on(async move {
         match cli.command {
             Command::GenerateKey { path } => generate_key(&path),
             Command::Migrate { settings } => migrate(&settings, cli.config.as_deref()).await,
@@ -98,7 +101,10 @@ fn main() -> ExitCode {
                 command,
             } => admin(&settings, cli.config.as_deref(), json, command).await,
         }
-    })
+    });
+    // Outside the runtime: the exporter flushes on its own threads.
+    telemetry.shutdown();
+    code
 }
 
 async fn admin(
@@ -148,27 +154,6 @@ async fn admin(
         }
         Err(e) => fail(1, &e),
     }
-}
-
-/// Logs go to stderr, as human text (`DLU_LOG_FORMAT=text`, the default) or
-/// one JSON object per line (`json`); the level comes from `RUST_LOG`
-/// (default `info`).
-fn init_logging(format: Option<&str>) -> Result<(), String> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format.map(str::trim) {
-        None | Some("") | Some("text") => builder.init(),
-        Some("json") => builder.json().init(),
-        Some(other) => {
-            return Err(format!(
-                "configuration: DLU_LOG_FORMAT must be text or json, not {other:?}"
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Prints one line on stderr and returns `code`.

@@ -192,6 +192,11 @@ impl FederationClient {
 
     /// Fetches `user`'s device list from its server. Returns the list and
     /// how many device entries were unreadable.
+    #[tracing::instrument(
+        name = "federation_request",
+        skip(self),
+        fields(user = %user, server = %user.server_name(), status = tracing::field::Empty)
+    )]
     pub async fn get_devices(&self, user: &UserId) -> Result<(FetchedList, usize), FetchFailure> {
         let destination = user.server_name();
         let target = self.target(destination).await?;
@@ -214,6 +219,7 @@ impl FederationClient {
             .await
             .map_err(|e| FetchFailure::transient(format!("{destination}: {}", error_chain(&e))))?;
         let status = response.status();
+        tracing::Span::current().record("status", status.as_u16());
         let retry_after = retry_after_header(response.headers());
         let body = read_capped(response, MAX_BODY)
             .await

@@ -18,6 +18,7 @@ use async_nats::jetstream::{AckKind, Context, Message};
 use futures::StreamExt as _;
 use ruma::{OwnedServerName, OwnedUserId};
 use tokio::sync::{Semaphore, watch};
+use tracing::Instrument as _;
 
 use super::federation::{FederationClient, FetchFailure};
 use super::retry::{Failure, RetryPolicy, spread};
@@ -158,7 +159,11 @@ impl Fetcher {
         let end = {
             let keep_alive = keep_alive(&message, self.ack_wait / 3);
             self.metrics.fetches_in_flight(1);
-            let end = self.run_job(&job.server_name, failures, &shutdown).await;
+            let span = tracing::info_span!("fetch_job", server = %job.server_name, failures);
+            let end = self
+                .run_job(&job.server_name, failures, &shutdown)
+                .instrument(span)
+                .await;
             self.metrics.fetches_in_flight(-1);
             keep_alive.abort();
             end

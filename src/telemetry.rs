@@ -1,0 +1,85 @@
+//! Logs and traces. Logs go to stderr as text or JSON (`DLU_LOG_FORMAT`),
+//! filtered by `RUST_LOG`. Traces are exported over OTLP/HTTP only when the
+//! standard `OTEL_EXPORTER_OTLP_ENDPOINT` (or `…_TRACES_ENDPOINT`) variable is
+//! set; otherwise no exporter and no OpenTelemetry layer exist, so spans cost
+//! what plain `tracing` spans cost. Protocol, headers, batching and so on
+//! follow the other `OTEL_*` variables (`OTEL_EXPORTER_OTLP_PROTOCOL`:
+//! `http/protobuf`, the default, or `http/json`).
+
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_subscriber::Layer as _;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
+
+/// Keeps the trace exporter alive; [`Telemetry::shutdown`] flushes it.
+pub struct Telemetry {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Telemetry {
+    /// Sets up logging and, if configured, trace export. Call once.
+    pub fn init(log_format: Option<&str>) -> Result<Telemetry, String> {
+        // The OTLP client is a reqwest client too: it needs the TLS provider.
+        crate::tls::install_crypto_provider();
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        let logs = match log_format.map(str::trim) {
+            None | Some("") | Some("text") => tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .boxed(),
+            Some("json") => tracing_subscriber::fmt::layer()
+                .json()
+                .with_writer(std::io::stderr)
+                .boxed(),
+            Some(other) => {
+                return Err(format!(
+                    "configuration: DLU_LOG_FORMAT must be text or json, not {other:?}"
+                ));
+            }
+        };
+        let configured = [
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        ]
+        .iter()
+        .any(|key| std::env::var(key).is_ok_and(|v| !v.trim().is_empty()));
+        let provider = if configured {
+            let exporter = opentelemetry_otlp::SpanExporter::builder()
+                .with_http()
+                .build()
+                .map_err(|e| format!("configuration: OTLP trace exporter: {e}"))?;
+            Some(
+                SdkTracerProvider::builder()
+                    .with_batch_exporter(exporter)
+                    .with_resource(
+                        opentelemetry_sdk::Resource::builder()
+                            .with_service_name("device-list-updater")
+                            .build(),
+                    )
+                    .build(),
+            )
+        } else {
+            None
+        };
+        let traces = provider
+            .as_ref()
+            .map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("device-list-updater")));
+        tracing_subscriber::registry()
+            .with(filter)
+            .with(logs)
+            .with(traces)
+            .try_init()
+            .map_err(|e| format!("cannot set up logging: {e}"))?;
+        Ok(Telemetry { provider })
+    }
+
+    /// Sends the spans still buffered.
+    pub fn shutdown(self) {
+        if let Some(provider) = self.provider
+            && let Err(e) = provider.shutdown()
+        {
+            eprintln!("device-list-updater: trace export shutdown: {e}");
+        }
+    }
+}
