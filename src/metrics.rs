@@ -234,3 +234,29 @@ impl Metrics {
         String::from_utf8(out).unwrap_or_default()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// docs/metrics.md names every metric the worker exports.
+    #[test]
+    fn every_metric_is_documented() {
+        let doc = include_str!("../docs/metrics.md");
+        let metrics = Metrics::new();
+        // Label-less families only appear once they have a child.
+        metrics.update("applied");
+        metrics.dead_letter("not_json");
+        metrics.fetch("example.org", "stored", 0.1);
+        metrics.published(1, "update", Some(0.1));
+        let families = metrics.inner.registry.gather();
+        assert!(families.len() >= 11, "{} families", families.len());
+        for family in families {
+            let name = family.name();
+            assert!(
+                doc.contains(&format!("`{name}`")),
+                "{name} is not in docs/metrics.md"
+            );
+        }
+    }
+}
