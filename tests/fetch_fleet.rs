@@ -5,7 +5,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::process::Stdio;
 use std::time::Duration;
 
 use common::{Backend, Nats, TestDb, read_stream};
@@ -169,22 +168,11 @@ async fn kill_during_fetches(backend: Backend) {
         .map(|s| format!("{s}={}", fleet.base_url()))
         .collect();
     let spawn = || {
-        tokio::process::Command::new(common::binary())
-            .arg("run")
-            .env("DLU_SERVER_NAME", common::OUR_SERVER)
-            .env("DLU_SIGNING_KEY_PATH", key_dir.path().join("signing.key"))
-            .env("DLU_DATABASE_URL", &db.url)
-            .env("DLU_NATS_URL", &nats.url)
-            .env("DLU_HTTP_ADDR", "127.0.0.1:0")
+        common::worker_command(&nats, &db, &key_dir.path().join("signing.key"))
             .env("DLU_FEDERATION_OVERRIDES", overrides.join(","))
             .env("DLU_LEASE_TTL", "2s")
             .env("DLU_ACK_WAIT", "1s")
             .env("DLU_STARTUP_SPREAD", "0s")
-            .env("RUST_LOG", "warn")
-            .env_remove("DLU_FAULT")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
             .spawn()
             .expect("spawn worker")
     };
@@ -264,23 +252,12 @@ async fn sigterm_during_a_hanging_fetch(backend: Backend) {
             Reply::Json(device_list(user, 1, &[("D", "P")])),
         ],
     );
-    let mut child = tokio::process::Command::new(common::binary())
-        .arg("run")
-        .env("DLU_SERVER_NAME", common::OUR_SERVER)
-        .env("DLU_SIGNING_KEY_PATH", key_dir.path().join("signing.key"))
-        .env("DLU_DATABASE_URL", &db.url)
-        .env("DLU_NATS_URL", &nats.url)
-        .env("DLU_HTTP_ADDR", "127.0.0.1:0")
+    let mut child = common::worker_command(&nats, &db, &key_dir.path().join("signing.key"))
         .env(
             "DLU_FEDERATION_OVERRIDES",
             format!("hangs.example={}", fleet.base_url()),
         )
         .env("DLU_ACK_WAIT", "1m")
-        .env("RUST_LOG", "warn")
-        .env_remove("DLU_FAULT")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
         .spawn()
         .expect("spawn worker");
     let js = nats.js().await;

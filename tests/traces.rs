@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -92,13 +91,7 @@ async fn spans_are_exported_over_otlp() {
         ALICE,
         vec![Reply::Json(device_list(ALICE, 1, &[("D", "P")]))],
     );
-    let mut child = tokio::process::Command::new(common::binary())
-        .arg("run")
-        .env("DLU_SERVER_NAME", common::OUR_SERVER)
-        .env("DLU_SIGNING_KEY_PATH", key_dir.path().join("signing.key"))
-        .env("DLU_DATABASE_URL", &db.url)
-        .env("DLU_NATS_URL", &nats.url)
-        .env("DLU_HTTP_ADDR", "127.0.0.1:0")
+    let mut child = common::worker_command(&nats, &db, &key_dir.path().join("signing.key"))
         .env(
             "DLU_FEDERATION_OVERRIDES",
             format!("remote.example={}", fleet.base_url()),
@@ -107,10 +100,6 @@ async fn spans_are_exported_over_otlp() {
         .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
         .env("OTEL_BSP_SCHEDULE_DELAY", "100")
         .env("RUST_LOG", "info")
-        .env_remove("DLU_FAULT")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
         .spawn()
         .expect("spawn worker");
     let js = nats.js().await;

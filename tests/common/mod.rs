@@ -276,3 +276,26 @@ macro_rules! both_backends {
         }
     };
 }
+
+/// A worker process for `nats` and `db`, signing with the key file at
+/// `key_path`, output discarded; callers add settings and spawn it.
+pub fn worker_command(
+    nats: &Nats,
+    db: &TestDb,
+    key_path: &std::path::Path,
+) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(binary());
+    command
+        .arg("run")
+        .env("DLU_SERVER_NAME", OUR_SERVER)
+        .env("DLU_SIGNING_KEY_PATH", key_path)
+        .env("DLU_DATABASE_URL", &db.url)
+        .env("DLU_NATS_URL", &nats.url)
+        .env("DLU_HTTP_ADDR", "127.0.0.1:0")
+        .env("RUST_LOG", "warn")
+        .env_remove("DLU_FAULT")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    command
+}
