@@ -9,7 +9,8 @@
 //!
 //! Settings: `BENCH_UPDATES` (default 200000), `BENCH_USERS` (default 10000),
 //! `DLU_BENCH_PG_URL` (default `postgres://postgres@127.0.0.1:5432/test`),
-//! `NATS_SERVER_BIN`. Results go to stdout as a Markdown table.
+//! `NATS_SERVER_BIN`, `BENCH_ONLY` (a comma list of `bare`, `postgres`, `sqlite`:
+//! run only those phases, for profiling). Results go to stdout as a Markdown table.
 
 use std::time::{Duration, Instant};
 
@@ -212,31 +213,42 @@ fn main() {
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     runtime.block_on(async {
         let nats = Nats::start().await;
-        let bare = bare_loop(&nats, n, users).await;
-        let admin = std::env::var("DLU_BENCH_PG_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-        let (pg_url, pg_name) = create_postgres_database(&admin, "dlu_bench").await;
-        let (pg, pg_time) = ingest(&nats, &pg_url, n, users).await;
-        drop_postgres_database(&admin, &pg_name).await;
-        let dir = tempfile::tempdir().expect("dir");
-        let sqlite_url = format!(
-            "sqlite://{}?mode=rwc",
-            dir.path().join("bench.sqlite").display()
-        );
-        let (sqlite, sqlite_time) = ingest(&nats, &sqlite_url, n, users).await;
+        let only = std::env::var("BENCH_ONLY").ok();
+        let runs = |phase: &str| {
+            only.as_deref()
+                .is_none_or(|o| o.split(',').any(|p| p == phase))
+        };
         println!("| measurement | messages | time | per second |");
         println!("|---|---|---|---|");
-        println!(
-            "| bare JetStream pull → publish → ack | {n} | {:.2}s | {bare:.0} |",
-            n as f64 / bare
-        );
-        println!(
-            "| ingest, PostgreSQL (update → key change published) | {n} | {:.2}s | {pg:.0} |",
-            pg_time.as_secs_f64()
-        );
-        println!(
-            "| ingest, SQLite (update → key change published) | {n} | {:.2}s | {sqlite:.0} |",
-            sqlite_time.as_secs_f64()
-        );
+        if runs("bare") {
+            let bare = bare_loop(&nats, n, users).await;
+            println!(
+                "| bare JetStream pull → publish → ack | {n} | {:.2}s | {bare:.0} |",
+                n as f64 / bare
+            );
+        }
+        if runs("postgres") {
+            let admin = std::env::var("DLU_BENCH_PG_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+            let (pg_url, pg_name) = create_postgres_database(&admin, "dlu_bench").await;
+            let (pg, pg_time) = ingest(&nats, &pg_url, n, users).await;
+            drop_postgres_database(&admin, &pg_name).await;
+            println!(
+                "| ingest, PostgreSQL (update → key change published) | {n} | {:.2}s | {pg:.0} |",
+                pg_time.as_secs_f64()
+            );
+        }
+        if runs("sqlite") {
+            let dir = tempfile::tempdir().expect("dir");
+            let sqlite_url = format!(
+                "sqlite://{}?mode=rwc",
+                dir.path().join("bench.sqlite").display()
+            );
+            let (sqlite, sqlite_time) = ingest(&nats, &sqlite_url, n, users).await;
+            println!(
+                "| ingest, SQLite (update → key change published) | {n} | {:.2}s | {sqlite:.0} |",
+                sqlite_time.as_secs_f64()
+            );
+        }
     });
 }

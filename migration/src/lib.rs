@@ -7,6 +7,7 @@
 pub use sea_orm_migration::prelude::*;
 
 mod m20261130_000001_initial;
+mod m20261201_000001_postgres_tuning;
 
 /// The list of migrations, oldest first.
 pub struct Migrator;
@@ -14,6 +15,9 @@ pub struct Migrator;
 #[async_trait::async_trait]
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        vec![Box::new(m20261130_000001_initial::Migration)]
+        vec![
+            Box::new(m20261130_000001_initial::Migration),
+            Box::new(m20261201_000001_postgres_tuning::Migration),
+        ]
     }
 }

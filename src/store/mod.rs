@@ -4,6 +4,7 @@
 //! the batch's users, loads their state, runs the pure planner and writes the
 //! plan together with its key-change events (the outbox).
 
+mod bulk;
 pub mod fetched;
 mod load;
 pub mod outbox;
@@ -239,20 +240,5 @@ async fn lock_users<C: ConnectionTrait>(txn: &C, users: &[&str]) -> Result<(), D
     if txn.get_database_backend() != DbBackend::Postgres || users.is_empty() {
         return Ok(());
     }
-    for chunk in users.chunks(1000) {
-        let placeholders: Vec<String> = (1..=chunk.len()).map(|i| format!("(${i})")).collect();
-        let sql = format!(
-            "SELECT count(pg_advisory_xact_lock(h)) AS n FROM \
-             (SELECT DISTINCT hashtext(u) AS h FROM (VALUES {}) AS v(u) ORDER BY 1) AS s",
-            placeholders.join(",")
-        );
-        let values = chunk.iter().map(|u| sea_orm::Value::from(u.to_string()));
-        txn.query_one_raw(sea_orm::Statement::from_sql_and_values(
-            DbBackend::Postgres,
-            sql,
-            values,
-        ))
-        .await?;
-    }
-    Ok(())
+    bulk::lock_users(txn, users).await
 }

@@ -2,8 +2,11 @@
 
 use entity::{cross_signing_key, remote_device, remote_user, stale_user};
 use sea_orm::sea_query::OnConflict;
-use sea_orm::{ActiveValue::NotSet, ActiveValue::Set, ConnectionTrait, DbErr, EntityTrait};
+use sea_orm::{
+    ActiveValue::NotSet, ActiveValue::Set, ConnectionTrait, DbBackend, DbErr, EntityTrait,
+};
 
+use super::bulk;
 use super::outbox::{self, OutboxBatch, OutboxEvent};
 
 use crate::decide::Plan;
@@ -18,6 +21,66 @@ pub(super) async fn plan<C: ConnectionTrait>(
     plan: &Plan,
     now_ms: i64,
 ) -> Result<Option<OutboxBatch>, DbErr> {
+    if db.get_database_backend() == DbBackend::Postgres {
+        bulk::write_users_and_devices(db, plan).await?;
+    } else {
+        portable_users_and_devices(db, plan).await?;
+    }
+
+    let stale: Vec<_> = plan
+        .stale
+        .iter()
+        .map(|(user, mark)| stale_user::ActiveModel {
+            user_id: Set(user.to_string()),
+            server_name: Set(user.server_name().to_string()),
+            marked_at_ms: Set(mark.marked_at_ms),
+            trigger_stream_ids: Set(serde_json::to_string(&mark.trigger_ids).unwrap_or_default()),
+            last_error: NotSet,
+        })
+        .collect();
+    for chunk in stale.chunks(CHUNK) {
+        stale_user::Entity::insert_many(chunk.to_vec())
+            .on_conflict(
+                OnConflict::column(stale_user::Column::UserId)
+                    .update_column(stale_user::Column::TriggerStreamIds)
+                    .to_owned(),
+            )
+            .exec_without_returning(db)
+            .await?;
+    }
+
+    let keys: Vec<_> = plan
+        .cross_signing
+        .iter()
+        .map(|((user, usage), json)| cross_signing_key::ActiveModel {
+            user_id: Set(user.to_string()),
+            key_usage: Set(usage.as_str().to_owned()),
+            key_json: Set(json.clone()),
+        })
+        .collect();
+    cross_signing_key::Entity::insert_many(keys)
+        .on_conflict(
+            OnConflict::columns([
+                cross_signing_key::Column::UserId,
+                cross_signing_key::Column::KeyUsage,
+            ])
+            .update_column(cross_signing_key::Column::KeyJson)
+            .to_owned(),
+        )
+        .exec_without_returning(db)
+        .await?;
+
+    let events: Vec<OutboxEvent> = plan.events.iter().map(OutboxEvent::from_change).collect();
+    let id = outbox::record(db, &events, now_ms).await?;
+    Ok(id.map(|id| OutboxBatch {
+        id,
+        events,
+        origin: None,
+    }))
+}
+
+/// The user and device upserts as any backend runs them: multi-row INSERTs.
+async fn portable_users_and_devices<C: ConnectionTrait>(db: &C, plan: &Plan) -> Result<(), DbErr> {
     let users: Vec<_> = plan
         .users
         .iter()
@@ -73,54 +136,5 @@ pub(super) async fn plan<C: ConnectionTrait>(
             .await?;
     }
 
-    let stale: Vec<_> = plan
-        .stale
-        .iter()
-        .map(|(user, mark)| stale_user::ActiveModel {
-            user_id: Set(user.to_string()),
-            server_name: Set(user.server_name().to_string()),
-            marked_at_ms: Set(mark.marked_at_ms),
-            trigger_stream_ids: Set(serde_json::to_string(&mark.trigger_ids).unwrap_or_default()),
-            last_error: NotSet,
-        })
-        .collect();
-    for chunk in stale.chunks(CHUNK) {
-        stale_user::Entity::insert_many(chunk.to_vec())
-            .on_conflict(
-                OnConflict::column(stale_user::Column::UserId)
-                    .update_column(stale_user::Column::TriggerStreamIds)
-                    .to_owned(),
-            )
-            .exec_without_returning(db)
-            .await?;
-    }
-
-    let keys: Vec<_> = plan
-        .cross_signing
-        .iter()
-        .map(|((user, usage), json)| cross_signing_key::ActiveModel {
-            user_id: Set(user.to_string()),
-            key_usage: Set(usage.as_str().to_owned()),
-            key_json: Set(json.clone()),
-        })
-        .collect();
-    cross_signing_key::Entity::insert_many(keys)
-        .on_conflict(
-            OnConflict::columns([
-                cross_signing_key::Column::UserId,
-                cross_signing_key::Column::KeyUsage,
-            ])
-            .update_column(cross_signing_key::Column::KeyJson)
-            .to_owned(),
-        )
-        .exec_without_returning(db)
-        .await?;
-
-    let events: Vec<OutboxEvent> = plan.events.iter().map(OutboxEvent::from_change).collect();
-    let id = outbox::record(db, &events, now_ms).await?;
-    Ok(id.map(|id| OutboxBatch {
-        id,
-        events,
-        origin: None,
-    }))
+    Ok(())
 }
