@@ -147,6 +147,7 @@ async fn ingest(nats: &Nats, database_url: &str, n: usize, users: usize) -> (f64
             server_name: Set(format!("server{}.example", u % 500)),
             known_stream_ids: Set("[0]".into()),
             max_stream_id: Set(0),
+            fetched_stream_id: Set(0),
         })
         .collect();
     for chunk in rows.chunks(1000) {

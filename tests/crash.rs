@@ -42,6 +42,7 @@ impl Setup {
             server_name: Set("remote.example".into()),
             known_stream_ids: Set("[5]".into()),
             max_stream_id: Set(5),
+            fetched_stream_id: Set(0),
         }
         .insert(store.connection())
         .await

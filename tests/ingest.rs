@@ -51,6 +51,7 @@ impl Env {
             server_name: Set(user.split_once(':').unwrap().1.into()),
             known_stream_ids: Set(serde_json::to_string(ids).unwrap()),
             max_stream_id: Set(ids.iter().copied().max().unwrap_or(0)),
+            fetched_stream_id: Set(0),
         }
         .insert(self.db())
         .await

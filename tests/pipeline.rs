@@ -44,6 +44,7 @@ async fn later_batch_waits_for_earlier(backend: common::Backend) {
         server_name: Set("remote.example".into()),
         known_stream_ids: Set("[0]".into()),
         max_stream_id: Set(0),
+        fetched_stream_id: Set(0),
     }
     .insert(store.connection())
     .await

@@ -17,6 +17,9 @@ pub struct Model {
     pub known_stream_ids: String,
     /// The highest stream id ever recorded for the user.
     pub max_stream_id: i64,
+    /// The stream position of the last fetched list (0: never fetched).
+    /// Updates at or below it are already part of that list.
+    pub fetched_stream_id: i64,
 }
 
 /// No relations are declared: joins are written where they are needed.

@@ -8,6 +8,7 @@ pub use sea_orm_migration::prelude::*;
 
 mod m20261130_000001_initial;
 mod m20261201_000001_postgres_tuning;
+mod m20261201_000002_fetched_stream_id;
 
 /// The list of migrations, oldest first.
 pub struct Migrator;
@@ -18,6 +19,7 @@ impl MigratorTrait for Migrator {
         vec![
             Box::new(m20261130_000001_initial::Migration),
             Box::new(m20261201_000001_postgres_tuning::Migration),
+            Box::new(m20261201_000002_fetched_stream_id::Migration),
         ]
     }
 }

@@ -19,6 +19,8 @@ pub struct UserState {
     pub known: KnownStreamIds,
     /// Highest stream id seen.
     pub max_stream_id: i64,
+    /// Stream position of the last fetched list (0: never fetched).
+    pub fetched_stream_id: i64,
 }
 
 /// A user's stale mark.
@@ -129,6 +131,7 @@ fn apply_update(
         update.stream_id,
         &state.known,
         stored.map(|d| d.stream_id),
+        state.fetched_stream_id,
     );
     match decision {
         UpdateDecision::Stale => {

@@ -85,6 +85,9 @@ pub struct FetchPlan {
     pub skipped_keys: Vec<String>,
     /// Set when the list had more than the device cap and was not stored.
     pub too_many_devices: Option<usize>,
+    /// The answer is older than the last one stored: nothing of it is kept
+    /// but what it says about the stale mark.
+    pub superseded: bool,
 }
 
 #[derive(Deserialize)]
@@ -121,6 +124,7 @@ pub fn plan_fetch(
     }
     plan.state.known.remember(list.stream_id);
     plan.state.max_stream_id = plan.state.max_stream_id.max(list.stream_id);
+    plan.state.fetched_stream_id = plan.state.fetched_stream_id.max(list.stream_id);
     plan.still_stale = stored.stale.as_ref().and_then(|now| {
         let newer: Vec<i64> = now
             .trigger_ids
@@ -135,6 +139,13 @@ pub fn plan_fetch(
         })
     });
 
+    if list.stream_id < stored.state.fetched_stream_id {
+        // An answer older than one already stored (two fetches raced): its
+        // devices and keys are history, and could bring back a device the
+        // newer answer no longer listed.
+        plan.superseded = true;
+        return Ok(plan);
+    }
     if list.devices.len() > max_devices {
         // Not stored, but the user counts as fresh: only updates apply from now.
         plan.too_many_devices = Some(list.devices.len());

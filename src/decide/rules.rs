@@ -30,13 +30,22 @@ pub fn prev_ids_known(prev_ids: &[i64], known: &KnownStreamIds) -> bool {
 ///
 /// * `stored_stream_id`: the stream id of the stored row for this device
 ///   (a tombstone counts), if any.
+/// * `fetched_stream_id`: the stream position of the user's last fetched
+///   list (0: never fetched). That list was the state of *every* device as
+///   of that position, listed or not, so an update at or below it is
+///   outdated whatever its device (§5.1.4 read for the whole list); it does
+///   not make the user stale either, as the fetch already covered it.
 pub fn decide_update(
     prev_ids: &[i64],
     deleted: bool,
     stream_id: i64,
     known: &KnownStreamIds,
     stored_stream_id: Option<i64>,
+    fetched_stream_id: i64,
 ) -> UpdateDecision {
+    if stream_id <= fetched_stream_id {
+        return UpdateDecision::Outdated { also_stale: false };
+    }
     let prev_known = prev_ids_known(prev_ids, known);
     if !prev_known && !deleted {
         return UpdateDecision::Stale;
@@ -113,10 +122,34 @@ mod tests {
         ];
         for (prev, deleted, stream, k, stored, want) in table {
             assert_eq!(
-                decide_update(prev, *deleted, *stream, &known(k), *stored),
+                decide_update(prev, *deleted, *stream, &known(k), *stored, 0),
                 *want,
                 "prev={prev:?} deleted={deleted} stream={stream} known={k:?} stored={stored:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_update_covered_by_the_last_fetch_is_outdated_for_every_device() {
+        // The fetched list at stream 7 did not have this device: an older
+        // update of it (a redelivery) must not bring it back, known prev_id
+        // or not, and must not cause another fetch.
+        for (prev, deleted, stream) in [
+            (&[5][..], false, 6),
+            (&[5], false, 7),
+            (&[1], false, 6),
+            (&[], true, 6),
+        ] {
+            assert_eq!(
+                decide_update(prev, deleted, stream, &known(&[5, 7]), None, 7),
+                Outdated { also_stale: false },
+                "prev={prev:?} deleted={deleted} stream={stream}"
+            );
+        }
+        // newer than the fetch: the usual rules
+        assert_eq!(
+            decide_update(&[7], false, 8, &known(&[5, 7]), None, 7),
+            Apply { also_stale: false }
+        );
     }
 }

@@ -18,7 +18,8 @@ use crate::decide::Plan;
 const LOCK_USERS: &str = "SELECT count(pg_advisory_xact_lock(h)) AS n FROM \
      (SELECT DISTINCT hashtext(u) AS h FROM UNNEST($1::text[]) AS v(u) ORDER BY 1) AS s";
 
-const SELECT_USERS: &str = "SELECT user_id, server_name, known_stream_ids, max_stream_id \
+const SELECT_USERS: &str = "SELECT user_id, server_name, known_stream_ids, max_stream_id, \
+     fetched_stream_id \
      FROM remote_user WHERE user_id = ANY($1::text[])";
 
 const SELECT_STALE: &str = "SELECT user_id, server_name, marked_at_ms, trigger_stream_ids, \
@@ -30,10 +31,11 @@ const SELECT_DEVICES: &str = "SELECT d.user_id, d.device_id, d.display_name, d.k
      JOIN UNNEST($1::text[], $2::text[]) AS k(u, v) ON d.user_id = k.u AND d.device_id = k.v";
 
 const UPSERT_USERS: &str = "INSERT INTO remote_user \
-     (user_id, server_name, known_stream_ids, max_stream_id) \
-     SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[]) \
+     (user_id, server_name, known_stream_ids, max_stream_id, fetched_stream_id) \
+     SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[], $5::int8[]) \
      ON CONFLICT (user_id) DO UPDATE SET \
-     known_stream_ids = EXCLUDED.known_stream_ids, max_stream_id = EXCLUDED.max_stream_id";
+     known_stream_ids = EXCLUDED.known_stream_ids, max_stream_id = EXCLUDED.max_stream_id, \
+     fetched_stream_id = EXCLUDED.fetched_stream_id";
 
 /// Arrays of this driver cannot hold NULL, so the nullable columns travel
 /// as a text array plus a "present" flag array.
@@ -122,7 +124,8 @@ pub(super) async fn write_users_and_devices<C: ConnectionTrait>(
 ) -> Result<(), DbErr> {
     if !plan.users.is_empty() {
         let n = plan.users.len();
-        let (mut ids, mut servers, mut known, mut max) = (
+        let (mut ids, mut servers, mut known, mut max, mut fetched) = (
+            Vec::with_capacity(n),
             Vec::with_capacity(n),
             Vec::with_capacity(n),
             Vec::with_capacity(n),
@@ -133,8 +136,15 @@ pub(super) async fn write_users_and_devices<C: ConnectionTrait>(
             servers.push(user.server_name().to_string());
             known.push(state.known.to_json());
             max.push(state.max_stream_id);
+            fetched.push(state.fetched_stream_id);
         }
-        let values = vec![ids.into(), servers.into(), known.into(), max.into()];
+        let values = vec![
+            ids.into(),
+            servers.into(),
+            known.into(),
+            max.into(),
+            fetched.into(),
+        ];
         db.execute_raw(statement(UPSERT_USERS, values)).await?;
     }
     if !plan.devices.is_empty() {

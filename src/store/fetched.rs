@@ -237,6 +237,7 @@ async fn load_users<C: ConnectionTrait>(
             stored.entry(user).or_default().state = UserState {
                 known: KnownStreamIds::from_json(&row.known_stream_ids),
                 max_stream_id: row.max_stream_id,
+                fetched_stream_id: row.fetched_stream_id,
             };
         }
         for row in remote_device::Entity::find()

@@ -53,6 +53,7 @@ pub(super) async fn snapshot<C: ConnectionTrait>(
             UserState {
                 known: KnownStreamIds::from_json(&row.known_stream_ids),
                 max_stream_id: row.max_stream_id,
+                fetched_stream_id: row.fetched_stream_id,
             },
         );
     }

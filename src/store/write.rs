@@ -89,6 +89,7 @@ async fn portable_users_and_devices<C: ConnectionTrait>(db: &C, plan: &Plan) -> 
             server_name: Set(user.server_name().to_string()),
             known_stream_ids: Set(state.known.to_json()),
             max_stream_id: Set(state.max_stream_id),
+            fetched_stream_id: Set(state.fetched_stream_id),
         })
         .collect();
     for chunk in users.chunks(CHUNK) {
@@ -98,6 +99,7 @@ async fn portable_users_and_devices<C: ConnectionTrait>(db: &C, plan: &Plan) -> 
                     .update_columns([
                         remote_user::Column::KnownStreamIds,
                         remote_user::Column::MaxStreamId,
+                        remote_user::Column::FetchedStreamId,
                     ])
                     .to_owned(),
             )
