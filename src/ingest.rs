@@ -141,7 +141,7 @@ impl Ingest {
             }
         };
         loop {
-            let first = match pull.next().await {
+            let first = match crate::bus::next_of_pull(&mut pull, PULL_EXPIRY).await {
                 Some(Ok(message)) => message,
                 Some(Err(e)) => {
                     tracing::debug!(error = %e, "input pull ended with an error");

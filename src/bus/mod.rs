@@ -10,6 +10,30 @@ pub mod streams;
 
 use std::time::Duration;
 
+use futures::{Stream, StreamExt as _};
+
+/// How long past a pull request's expiry the client still waits for it.
+/// The expiry is enforced by the server; a server that restarted has
+/// forgotten the request, and without this bound the client would wait for
+/// it forever (found by `tests/faults.rs`, restart during a burst).
+pub const PULL_GRACE: Duration = Duration::from_secs(4);
+
+/// The next item of a pull request that expires after `expiry`, or None
+/// when the pull is over or presumed lost. Items already received are
+/// returned at once, so giving up never drops a delivered message.
+pub async fn next_of_pull<S, T>(pull: &mut S, expiry: Duration) -> Option<T>
+where
+    S: Stream<Item = T> + Unpin,
+{
+    match tokio::time::timeout(expiry + PULL_GRACE, pull.next()).await {
+        Ok(item) => item,
+        Err(_) => {
+            tracing::info!("a pull request outlived its expiry; starting a new one");
+            None
+        }
+    }
+}
+
 /// Connects to NATS, retrying until `wait` has passed. After the first
 /// connection the client reconnects by itself for as long as the process runs.
 pub async fn connect(urls: &str, wait: Duration) -> Result<async_nats::Client, String> {

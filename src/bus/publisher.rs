@@ -24,6 +24,8 @@ use crate::store::outbox::{OutboxBatch, OutboxEvent};
 use crate::worker::Faults;
 
 /// Rows read from the table per round.
+/// Publishes awaiting their ack at most, well below async-nats' limit.
+const ACKS_IN_FLIGHT: usize = 1024;
 const ROUND: u64 = 100;
 /// Committed batches that may wait in memory before writers wait.
 const QUEUE: usize = 256;
@@ -168,7 +170,8 @@ impl Publisher {
     /// Publishes batches in order, waits for the stream's acks, deletes
     /// their rows.
     async fn publish(&self, batches: &[OutboxBatch]) -> Result<usize, String> {
-        let mut acks = Vec::new();
+        let mut acks = Vec::with_capacity(ACKS_IN_FLIGHT);
+        let mut sent = 0;
         // Collected first: a lazy iterator held across awaits trips the
         // compiler's Send check for the spawned task.
         let mut events: Vec<(i64, usize, &OutboxEvent)> = Vec::new();
@@ -190,8 +193,17 @@ impl Publisher {
                 .await
                 .map_err(|e| e.to_string())?;
             acks.push(ack);
+            sent += 1;
+            // async-nats lends each publish a permit (5,000 in all) until
+            // its ack future is awaited: holding more than that unawaited
+            // blocks the next publish forever. A sweep after an outage
+            // easily has more (found by tests/faults.rs).
+            if acks.len() == ACKS_IN_FLIGHT {
+                for ack in acks.drain(..) {
+                    ack.await.map_err(|e| e.to_string())?;
+                }
+            }
         }
-        let acks_len = acks.len();
         for ack in acks {
             ack.await.map_err(|e| e.to_string())?;
         }
@@ -213,6 +225,6 @@ impl Publisher {
             .outbox_delete(&ids)
             .await
             .map_err(|e| e.to_string())?;
-        Ok(acks_len)
+        Ok(sent)
     }
 }

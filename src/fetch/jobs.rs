@@ -15,7 +15,6 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{AckKind, Context, Message};
-use futures::StreamExt as _;
 use ruma::{OwnedServerName, OwnedUserId};
 use tokio::sync::{Semaphore, watch};
 use tracing::Instrument as _;
@@ -125,7 +124,7 @@ impl Fetcher {
                     continue;
                 }
             };
-            while let Some(message) = pull.next().await {
+            while let Some(message) = crate::bus::next_of_pull(&mut pull, PULL_EXPIRY).await {
                 let Ok(message) = message else { break };
                 let Ok(permit) = permits.clone().acquire_owned().await else {
                     break;

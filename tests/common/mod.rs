@@ -34,7 +34,8 @@ pub struct TestDb {
     pg_name: Option<String>,
 }
 
-fn pg_admin_url() -> String {
+/// The PostgreSQL URL tests create their databases with.
+pub fn pg_admin_url() -> String {
     std::env::var("DLU_TEST_PG_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
