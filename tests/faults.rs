@@ -5,7 +5,10 @@
 //!
 //! After each, every update is reflected in the database and every key
 //! change is in `KEY_CHANGE` exactly once (distinct `Nats-Msg-Id`s, one
-//! event per update: each update of the burst is a visible change).
+//! event per update: each update of the burst is a visible change). In the
+//! in-process cases a few users of mocked remote servers are stale when the
+//! fault hits; none stays stale once the back-off (2 s at most here) allows
+//! a retry.
 
 mod common;
 
@@ -15,6 +18,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use common::{Backend, Nats, TestDb};
 use device_list_updater::signing_key::SigningKey;
+use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
 use device_list_updater::testkit::{stream_len, wait_for};
 use device_list_updater::worker::{self, Faults};
 use futures::StreamExt as _;
@@ -24,6 +28,17 @@ use serde_json::json;
 const USERS: usize = 200;
 const ROUNDS: usize = 50;
 const TOTAL: usize = USERS * ROUNDS;
+/// Users of other servers, marked stale by a resync request.
+const STALE_USERS: usize = 20;
+const STALE_SERVERS: usize = 4;
+
+fn stale_server(s: usize) -> String {
+    format!("stale{s}.example")
+}
+
+fn stale_user(u: usize) -> String {
+    format!("@s{u}:{}", stale_server(u % STALE_SERVERS))
+}
 
 fn user(u: usize) -> String {
     format!("@burst{u}:remote.example")
@@ -86,11 +101,15 @@ async fn assert_all_reflected_once(js: &jetstream::Context, db: &sea_orm::Databa
         },
     )
     .await;
-    let outbox = entity::key_change_outbox::Entity::find()
-        .count(db)
-        .await
-        .expect("outbox");
-    assert_eq!(outbox, 0, "outbox drained");
+    // published rows are deleted just after their acks arrive
+    wait_for(Duration::from_secs(30), "outbox drained", || async {
+        let rows = entity::key_change_outbox::Entity::find()
+            .count(db)
+            .await
+            .ok()?;
+        (rows == 0).then_some(())
+    })
+    .await;
     // distinct (user, stream id) pairs: exactly once each
     let stream = js.get_stream("KEY_CHANGE").await.expect("stream");
     let consumer = stream
@@ -100,6 +119,7 @@ async fn assert_all_reflected_once(js: &jetstream::Context, db: &sea_orm::Databa
     let mut messages = consumer.messages().await.expect("messages");
     let mut seen = HashSet::new();
     let mut ids = HashSet::new();
+    let mut fetched = 0;
     let total = stream_len(js, "KEY_CHANGE").await;
     for _ in 0..total {
         let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
@@ -113,6 +133,9 @@ async fn assert_all_reflected_once(js: &jetstream::Context, db: &sea_orm::Databa
             body["stream_id"].as_i64().unwrap_or_default(),
         );
         assert!(seen.insert(key.clone()), "duplicate key change {key:?}");
+        if !key.0.starts_with("@burst") {
+            fetched += 1;
+        }
         let id = message
             .headers
             .as_ref()
@@ -121,7 +144,7 @@ async fn assert_all_reflected_once(js: &jetstream::Context, db: &sea_orm::Databa
             .expect("Nats-Msg-Id");
         assert!(ids.insert(id), "duplicate Nats-Msg-Id");
     }
-    assert_eq!(seen.len(), TOTAL, "one key change per update");
+    assert_eq!(seen.len() - fetched, TOTAL, "one key change per update");
 }
 
 async fn sigkill_during_a_burst(backend: Backend) {
@@ -167,23 +190,68 @@ async fn sigkill_during_a_burst(backend: Backend) {
 }
 both_backends!(sigkill_replica, sigkill_during_a_burst);
 
+/// Starts an in-process worker (small batches, so the burst takes many) and
+/// returns once a fifth of the burst's key changes are out.
+async fn start_and_let_a_fifth_through(
+    nats: &Nats,
+    db: &TestDb,
+    js: &jetstream::Context,
+) -> (worker::Running, MockFederation) {
+    let mut config = common::config(nats, db);
+    config.batch_size = 100;
+    // A few users to fetch too, so the fault also meets pending fetches.
+    let remote = MockFederation::trusting(&config, Duration::from_millis(50)).await;
+    let servers: Vec<String> = (0..STALE_SERVERS).map(stale_server).collect();
+    remote.serve(&mut config, servers.iter().map(String::as_str));
+    for u in 0..STALE_USERS {
+        let user = stale_user(u);
+        remote.script(
+            &user,
+            vec![Reply::Json(device_list(&user, 3, &[("D", "fetched")]))],
+        );
+        common::publish(
+            js,
+            "devicelist.in.resync",
+            &json!({"user_id": user}).to_string(),
+            None,
+        )
+        .await;
+    }
+    let running = worker::start(config, Faults::default())
+        .await
+        .expect("worker");
+    wait_for(Duration::from_secs(120), "part of the burst", || async {
+        (stream_len(js, "KEY_CHANGE").await >= (TOTAL / 5) as u64).then_some(())
+    })
+    .await;
+    (running, remote)
+}
+
+/// Every user marked stale is fetched again within the back-off's reach
+/// (`common::config` caps it at 2 s; the bound here leaves room for a slow
+/// machine).
+async fn assert_no_user_left_stale(running: &worker::Running, remote: &MockFederation) {
+    wait_for(
+        Duration::from_secs(30),
+        "every stale user fetched",
+        || async {
+            let asked = (0..STALE_USERS).all(|u| remote.requests(&stale_user(u)) > 0);
+            (asked && running.store.stale_user_count().await.ok()? == 0).then_some(())
+        },
+    )
+    .await;
+}
+
 async fn nats_restart_during_a_burst(backend: Backend) {
     let mut nats = Nats::start().await;
     let db = TestDb::new(backend).await;
     let js = nats.js().await;
     seed_and_publish(&db, &js).await;
-    let mut config = common::config(&nats, &db);
-    config.batch_size = 100;
-    let running = worker::start(config, Faults::default())
-        .await
-        .expect("worker");
-    wait_for(Duration::from_secs(120), "part of the burst", || async {
-        (stream_len(&js, "KEY_CHANGE").await >= (TOTAL / 5) as u64).then_some(())
-    })
-    .await;
+    let (running, remote) = start_and_let_a_fifth_through(&nats, &db, &js).await;
     nats.restart().await;
     let js = nats.js().await;
     assert_all_reflected_once(&js, running.store.connection()).await;
+    assert_no_user_left_stale(&running, &remote).await;
     running.stop(Duration::from_secs(10)).await;
 }
 both_backends!(nats_restart, nats_restart_during_a_burst);
@@ -200,15 +268,7 @@ async fn postgres_unavailable_during_a_burst() {
     let admin = sea_orm::Database::connect(common::pg_admin_url())
         .await
         .expect("admin");
-    let mut config = common::config(&nats, &db);
-    config.batch_size = 100;
-    let running = worker::start(config, Faults::default())
-        .await
-        .expect("worker");
-    wait_for(Duration::from_secs(120), "part of the burst", || async {
-        (stream_len(&js, "KEY_CHANGE").await >= (TOTAL / 5) as u64).then_some(())
-    })
-    .await;
+    let (running, remote) = start_and_let_a_fifth_through(&nats, &db, &js).await;
     admin
         .execute_unprepared(&format!(
             "ALTER DATABASE \"{name}\" ALLOW_CONNECTIONS false; \
@@ -229,5 +289,6 @@ async fn postgres_unavailable_during_a_burst() {
         .await
         .expect("give it back");
     assert_all_reflected_once(&js, running.store.connection()).await;
+    assert_no_user_left_stale(&running, &remote).await;
     running.stop(Duration::from_secs(10)).await;
 }
