@@ -55,16 +55,21 @@ async fn ready(State(health): State<Health>) -> (StatusCode, &'static str) {
 /// Refreshes the scrape-time gauges and renders every metric. A source that
 /// does not answer leaves its gauge at the last value.
 async fn metrics(State(health): State<Health>) -> impl axum::response::IntoResponse {
-    let stale = health.store.stale_user_count().await.ok();
-    let backlog = health.store.outbox_len().await.ok();
-    let jobs = async {
+    let now = crate::store::now_ms();
+    let fetch_jobs = async {
         let stream = health.js.get_stream(FETCH_STREAM).await.ok()?;
         let mut consumer: PullConsumer = stream.get_consumer(FETCH_CONSUMER).await.ok()?;
         let info = consumer.info().await.ok()?;
         Some(info.num_pending + info.num_ack_pending as u64)
     }
     .await;
-    health.metrics.set_state(stale, backlog, jobs);
+    health.metrics.set_state(crate::metrics::SharedState {
+        stale_users: health.store.stale_user_count().await.ok(),
+        outbox_backlog: health.store.outbox_len().await.ok(),
+        fetch_jobs,
+        users_backing_off: health.store.users_backing_off(now).await.ok(),
+        servers_backing_off: health.store.servers_backing_off(now).await.ok(),
+    });
     health
         .metrics
         .set_outbound_refused(health.federation.refused_connections());

@@ -3,7 +3,7 @@
 //! the outbox publisher → ack. Acks come last, so a crash at any point means
 //! redelivery, and redelivered updates are no-ops (SPEC §5.1.4).
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Context, Message};
@@ -56,6 +56,8 @@ pub struct Ingest {
     pub ack_wait: Duration,
     /// Counters and histograms.
     pub metrics: crate::metrics::Metrics,
+    /// Where input about a server's users may end its fetch job's wait.
+    pub wakeups: crate::fetch::wake::Wakeups,
 }
 
 /// One message of a batch and what the checks made of it.
@@ -64,12 +66,7 @@ struct Item {
     verdict: Result<Parsed, Rejection>,
 }
 
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
+use crate::store::now_ms;
 
 impl Ingest {
     /// Consumes `consumer` while this replica holds the stream's lease, until
@@ -224,6 +221,15 @@ impl Ingest {
             // Stale marks are committed; a restart rescans them.
             nak_all(items.iter().map(|i| &i.message), None).await;
             return;
+        }
+        // Input about a server's users may end its fetch job's wait (SPEC
+        // §5.2): checked in the background, after the stale marks committed.
+        for (_, message) in &accepted {
+            let heard = matches!(
+                message,
+                InputMessage::Update(_) | InputMessage::SigningKey(_)
+            );
+            self.wakeups.note(message.user_id().server_name(), heard);
         }
         let origin = oldest_publish_time(items.iter().map(|i| &i.message));
         for applied in &applied {

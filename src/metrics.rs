@@ -42,10 +42,30 @@ struct Inner {
     update_to_key_change: HistogramVec,
     /// Connections refused by the outbound guard.
     outbound_refused: IntCounter,
+    /// Waiting fetch jobs started early, by reason.
+    wakeups: IntCounterVec,
     /// Scrape-time gauges.
     stale_users: IntGauge,
     outbox_backlog: IntGauge,
     fetch_jobs_pending: IntGauge,
+    users_backing_off: IntGauge,
+    servers_backing_off: IntGauge,
+}
+
+/// The shared state the scrape-time gauges show (None: not read this time,
+/// the gauge keeps its last value).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SharedState {
+    /// Users marked stale.
+    pub stale_users: Option<u64>,
+    /// Outbox rows not yet published.
+    pub outbox_backlog: Option<u64>,
+    /// Jobs in `DEVICE_LIST_FETCH` (queued, running or waiting).
+    pub fetch_jobs: Option<u64>,
+    /// Stale users in their own back-off.
+    pub users_backing_off: Option<u64>,
+    /// Servers in back-off after their own failures.
+    pub servers_backing_off: Option<u64>,
 }
 
 fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -155,6 +175,22 @@ impl Metrics {
                 "dlu_fetch_jobs_pending",
                 "Fetch jobs queued or in back-off in DEVICE_LIST_FETCH.",
             ),
+            wakeups: counter_vec(
+                &r,
+                "dlu_fetch_wakeups_total",
+                "Waiting fetch jobs started early, by reason.",
+                &["reason"],
+            ),
+            users_backing_off: gauge(
+                &r,
+                "dlu_users_backing_off",
+                "Stale users in their own back-off after unusable answers (whole deployment).",
+            ),
+            servers_backing_off: gauge(
+                &r,
+                "dlu_servers_backing_off",
+                "Remote servers in back-off after their own failures (whole deployment).",
+            ),
             registry: r,
         };
         Metrics {
@@ -184,6 +220,11 @@ impl Metrics {
             .observe(seconds);
     }
 
+    /// Counts a waiting fetch job started early (`back_off_ended`, `user_due`).
+    pub fn wakeup(&self, reason: &str) {
+        self.inner.wakeups.with_label_values(&[reason]).inc();
+    }
+
     /// A fetch job started (+1) or ended (−1) on this replica.
     pub fn fetches_in_flight(&self, delta: i64) {
         self.inner.fetches_in_flight.add(delta);
@@ -209,20 +250,17 @@ impl Metrics {
     }
 
     /// Sets the scrape-time gauges.
-    pub fn set_state(
-        &self,
-        stale_users: Option<u64>,
-        outbox_backlog: Option<u64>,
-        jobs: Option<u64>,
-    ) {
+    pub fn set_state(&self, state: SharedState) {
         let set = |gauge: &IntGauge, value: Option<u64>| {
             if let Some(v) = value {
                 gauge.set(i64::try_from(v).unwrap_or(i64::MAX));
             }
         };
-        set(&self.inner.stale_users, stale_users);
-        set(&self.inner.outbox_backlog, outbox_backlog);
-        set(&self.inner.fetch_jobs_pending, jobs);
+        set(&self.inner.stale_users, state.stale_users);
+        set(&self.inner.outbox_backlog, state.outbox_backlog);
+        set(&self.inner.fetch_jobs_pending, state.fetch_jobs);
+        set(&self.inner.users_backing_off, state.users_backing_off);
+        set(&self.inner.servers_backing_off, state.servers_backing_off);
     }
 
     /// The text exposition of every metric.

@@ -45,6 +45,8 @@ pub struct Rpc {
     pub store: Store,
     /// Our server: its users are not fetched.
     pub own_server: OwnedServerName,
+    /// A resync may start a job that waits for other users' back-off.
+    pub wakeups: crate::fetch::wake::Wakeups,
 }
 
 #[derive(Deserialize)]
@@ -193,15 +195,12 @@ impl Rpc {
         let mark = [InputMessage::Resync(ResyncRequest {
             user_id: user.clone(),
         })];
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as i64)
-            .unwrap_or(0);
         self.store
-            .apply_batch(&mark, now_ms)
+            .apply_batch(&mark, crate::store::now_ms())
             .await
             .map_err(|e| format!("database: {e}"))?;
         fetch_jobs::enqueue(&self.js, [&user.server_name().to_owned()]).await?;
+        self.wakeups.note(user.server_name(), false);
         // The fetch may run on any replica, so the database is the place to
         // watch. Checks start fast and slow down to 4 per second.
         let mut pause = Duration::from_millis(10);

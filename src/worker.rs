@@ -16,6 +16,7 @@ use crate::config::Config;
 use crate::fetch::federation::{FederationClient, FederationSettings};
 use crate::fetch::jobs::{self, Fetcher};
 use crate::fetch::retry::RetryPolicy;
+use crate::fetch::wake::Wakeups;
 use crate::fetch::writer::FetchWriter;
 use crate::http::{self, Health};
 use crate::ingest::Ingest;
@@ -190,11 +191,20 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         metrics: metrics.clone(),
     };
     tasks.spawn(fetcher.run(fetch_consumer, stop.clone()));
+    let wakeups = Wakeups::default();
+    tasks.spawn(wakeups.clone().run(
+        store.clone(),
+        js.clone(),
+        config.retry_min,
+        metrics.clone(),
+        stop.clone(),
+    ));
     let rpc = crate::rpc::Rpc {
         client: client.clone(),
         js: js.clone(),
         store: store.clone(),
         own_server: config.server_name.clone(),
+        wakeups: wakeups.clone(),
     };
     let rpc = rpc.subscribe().await.map_err(StartError::Bus)?;
     tasks.spawn(rpc.run(stop.clone()));
@@ -217,6 +227,7 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         lease_ttl: config.lease_ttl,
         ack_wait: config.ack_wait,
         metrics,
+        wakeups,
     };
     for (stream, consumer) in consumers {
         tasks.spawn(ingest.clone().run(stream, consumer, stop.clone()));

@@ -414,6 +414,7 @@ async fn stale_users_fetched_at_start(backend: Backend) {
                 marked_at_ms: Set(0),
                 trigger_stream_ids: Set("[]".into()),
                 last_error: Set(None),
+                ..Default::default()
             }
             .insert(store.connection())
             .await

@@ -4,6 +4,7 @@
 //! what each table is for.
 
 pub mod cross_signing_key;
+pub mod fetch_server;
 pub mod key_change_outbox;
 pub mod remote_device;
 pub mod remote_user;

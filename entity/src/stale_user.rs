@@ -21,6 +21,11 @@ pub struct Model {
     /// Why the last fetch of this user failed (None: not tried yet).
     #[sea_orm(column_type = "Text", nullable)]
     pub last_error: Option<String>,
+    /// This user's own failed fetches in a row (SPEC §5.2: an answer that is
+    /// the user's fault backs off the user alone).
+    pub failures: i32,
+    /// When this user may be fetched again (Unix milliseconds; 0: now).
+    pub next_attempt_ms: i64,
 }
 
 /// No relations are declared.

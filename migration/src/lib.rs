@@ -9,6 +9,7 @@ pub use sea_orm_migration::prelude::*;
 mod m20261130_000001_initial;
 mod m20261201_000001_postgres_tuning;
 mod m20261201_000002_fetched_stream_id;
+mod m20261201_000003_fetch_backoff;
 
 /// The list of migrations, oldest first.
 pub struct Migrator;
@@ -20,6 +21,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261130_000001_initial::Migration),
             Box::new(m20261201_000001_postgres_tuning::Migration),
             Box::new(m20261201_000002_fetched_stream_id::Migration),
+            Box::new(m20261201_000003_fetch_backoff::Migration),
         ]
     }
 }

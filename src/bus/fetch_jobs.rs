@@ -78,6 +78,31 @@ pub async fn enqueue<'a>(
     Ok(())
 }
 
+/// Replaces `server`'s pending job with a new one, deliverable at once: the
+/// old message (which may sit in a NAK delay on any replica's consumer) is
+/// deleted, which JetStream treats as the end of its delivery, and a new job
+/// is published. Only for a job that is waiting, never for one that runs:
+/// the caller has ended the wait in the database first.
+pub async fn replace(js: &Context, server: &OwnedServerName) -> Result<(), String> {
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
+    let stream = js
+        .get_stream(crate::bus::streams::FETCH_STREAM)
+        .await
+        .map_err(|e| format!("cannot open the fetch stream: {e}"))?;
+    match stream
+        .get_last_raw_message_by_subject(&subject(server))
+        .await
+    {
+        Ok(pending) => {
+            // Gone already (acked, or deleted by another replica): fine.
+            let _ = stream.delete_message(pending.sequence).await;
+        }
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => {}
+        Err(e) => return Err(format!("cannot find the fetch job of {server}: {e}")),
+    }
+    enqueue(js, [server]).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

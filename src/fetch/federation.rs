@@ -16,16 +16,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ruma::api::OutgoingRequestExt as _;
-use ruma::api::federation::authentication::XMatrixSigningInput;
-use ruma::api::federation::device::get_devices::v1 as get_devices;
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
+use ruma::api::federation::authentication::{XMatrix, XMatrixSigningInput};
 use ruma::signatures::Ed25519KeyPair;
 use ruma::{OwnedServerName, ServerName, UserId};
 
 use super::answer;
 use super::discovery::{self, HickoryDns};
 use super::guard;
-use super::retry::Failure;
+use super::retry::FailureKind;
 use crate::decide::fetched::FetchedList;
 
 /// Largest answer body read (SPEC §5.2).
@@ -39,23 +38,49 @@ const DISCOVERY_TTL: Duration = Duration::from_secs(3600);
 /// Largest well-known body read.
 const MAX_WELL_KNOWN: usize = 64 * 1024;
 
-/// A failed fetch: how to wait, and what to log.
+/// A failed fetch: what happened (for [`super::retry::blame`]), a wait the
+/// remote asked for, and what to log.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{reason}")]
 pub struct FetchFailure {
-    /// How the retry policy treats it.
-    pub failure: Failure,
-    /// What went wrong, for logs and RPC replies.
+    /// What went wrong.
+    pub kind: FailureKind,
+    /// `retry_after_ms` of a 429, or a `Retry-After` header: a floor.
+    pub asked: Option<Duration>,
+    /// What went wrong, for logs, `last_error` and RPC replies.
     pub reason: String,
 }
 
 impl FetchFailure {
-    fn transient(reason: impl Into<String>) -> Self {
+    /// A failure with nothing asked.
+    pub fn new(kind: FailureKind, reason: impl Into<String>) -> Self {
         FetchFailure {
-            failure: Failure::Transient,
+            kind,
+            asked: None,
             reason: reason.into(),
         }
     }
+
+    fn unreachable(reason: impl Into<String>) -> Self {
+        FetchFailure::new(FailureKind::Unreachable, reason)
+    }
+}
+
+/// Characters sent as they are in a path segment: RFC 3986's unreserved set
+/// (`A-Z a-z 0-9 - . _ ~`). Everything else, `@`, `:` and `/` included, is
+/// percent-encoded, as Synapse's own client does (SPEC §5.2).
+const PATH_SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// The request path for `user`'s devices.
+pub fn devices_path(user: &UserId) -> String {
+    format!(
+        "/_matrix/federation/v1/user/devices/{}",
+        utf8_percent_encode(user.as_str(), PATH_SEGMENT)
+    )
 }
 
 /// What the client needs to know.
@@ -200,35 +225,75 @@ impl FederationClient {
     pub async fn get_devices(&self, user: &UserId) -> Result<(FetchedList, usize), FetchFailure> {
         let destination = user.server_name();
         let target = self.target(destination).await?;
-        let request = get_devices::Request::new(user.to_owned())
-            .try_into_http_request::<Vec<u8>>(
-                &target.base_url,
-                XMatrixSigningInput::new(self.origin.clone(), destination.to_owned(), &self.key),
-                (),
-            )
-            .map_err(|e| FetchFailure::transient(format!("cannot build the request: {e}")))?;
-        let request = reqwest::Request::try_from(request.map(reqwest::Body::from))
-            .map_err(|e| FetchFailure::transient(format!("cannot build the request: {e}")))?;
+        let (url, authorization) = self.signed_request(&target, user)?;
         let client = if target.overridden {
             &self.direct
         } else {
             &self.guarded
         };
         let response = client
-            .execute(request)
+            .get(url)
+            .header(reqwest::header::AUTHORIZATION, authorization)
+            .send()
             .await
-            .map_err(|e| FetchFailure::transient(format!("{destination}: {}", error_chain(&e))))?;
+            .map_err(|e| FetchFailure::unreachable(format!("{destination}: {}", error_chain(&e))))?;
         let status = response.status();
         tracing::Span::current().record("status", status.as_u16());
         let retry_after = retry_after_header(response.headers());
-        let body = read_capped(response, MAX_BODY)
-            .await
-            .map_err(|e| FetchFailure::transient(format!("{destination}: {e}")))?;
+        let body = match read_capped(response, MAX_BODY).await {
+            Ok(body) => body,
+            Err(BodyError::TooLarge) => {
+                return Err(FetchFailure::new(
+                    FailureKind::TooLarge,
+                    format!("{destination}: answer larger than {MAX_BODY} bytes"),
+                ));
+            }
+            Err(BodyError::Read(e)) => {
+                return Err(FetchFailure::unreachable(format!("{destination}: {e}")));
+            }
+        };
         if status.is_success() {
-            return answer::parse(&body)
-                .map_err(|e| FetchFailure::transient(format!("{destination}: {e}")));
+            return answer::parse(&body).map_err(|e| {
+                FetchFailure::new(FailureKind::NotAList, format!("{destination}: {e}"))
+            });
         }
         Err(status_failure(status, retry_after, &body, destination))
+    }
+
+    /// The URL for `user`'s devices at `target` and its X-Matrix
+    /// `Authorization` value, signed over exactly the path that is sent.
+    fn signed_request(
+        &self,
+        target: &Target,
+        user: &UserId,
+    ) -> Result<(reqwest::Url, reqwest::header::HeaderValue), FetchFailure> {
+        let local = |e: &dyn std::fmt::Display| {
+            FetchFailure::new(
+                FailureKind::Local,
+                format!("cannot build the request: {e}"),
+            )
+        };
+        let url = reqwest::Url::parse(&format!("{}{}", target.base_url, devices_path(user)))
+            .map_err(|e| local(&e))?;
+        // What the remote rebuilds the signed object from: the path and
+        // query as they go on the wire, after the URL parser's normalisation.
+        let uri = match url.query() {
+            Some(query) => format!("{}?{query}", url.path()),
+            None => url.path().to_owned(),
+        };
+        let request = http::Request::get(uri)
+            .body(Vec::<u8>::new())
+            .map_err(|e| local(&e))?;
+        let x_matrix = XMatrix::sign_http_request(
+            &request,
+            XMatrixSigningInput::new(
+                self.origin.clone(),
+                user.server_name().to_owned(),
+                &self.key,
+            ),
+        )
+        .map_err(|e| local(&e))?;
+        Ok((url, reqwest::header::HeaderValue::from(&x_matrix)))
     }
 
     /// Picks where to send requests for `server`.
@@ -276,7 +341,7 @@ impl FederationClient {
             tracing::warn!(%host, refused = ?found.refused, "discovery found addresses we never connect to");
         }
         if found.addrs.is_empty() {
-            return Err(FetchFailure::transient(if found.refused.is_empty() {
+            return Err(FetchFailure::unreachable(if found.refused.is_empty() {
                 format!("{host} does not resolve")
             } else {
                 format!("{host} resolves only to refused addresses")
@@ -323,7 +388,7 @@ fn literal_or_port(server: &ServerName) -> Result<Option<Target>, FetchFailure> 
     let bare = host.trim_start_matches('[').trim_end_matches(']');
     if let Ok(ip) = bare.parse::<IpAddr>() {
         if !guard::is_allowed(ip) {
-            return Err(FetchFailure::transient(format!(
+            return Err(FetchFailure::unreachable(format!(
                 "{server}: refusing to connect to {ip}"
             )));
         }
@@ -338,15 +403,28 @@ fn literal_or_port(server: &ServerName) -> Result<Option<Target>, FetchFailure> 
     }))
 }
 
+/// Why a body was not read.
+#[derive(Debug)]
+enum BodyError {
+    /// More than the cap.
+    TooLarge,
+    /// The connection failed while reading.
+    Read(String),
+}
+
 /// Reads at most `cap` bytes of a body; more is an error.
-async fn read_capped(mut response: reqwest::Response, cap: usize) -> Result<Vec<u8>, String> {
+async fn read_capped(mut response: reqwest::Response, cap: usize) -> Result<Vec<u8>, BodyError> {
     if response.content_length().is_some_and(|n| n > cap as u64) {
-        return Err(format!("answer larger than {cap} bytes"));
+        return Err(BodyError::TooLarge);
     }
     let mut body = Vec::new();
-    while let Some(chunk) = response.chunk().await.map_err(|e| error_chain(&e))? {
+    while let Some(chunk) = response
+        .chunk()
+        .await
+        .map_err(|e| BodyError::Read(error_chain(&e)))?
+    {
         if body.len() + chunk.len() > cap {
-            return Err(format!("answer larger than {cap} bytes"));
+            return Err(BodyError::TooLarge);
         }
         body.extend_from_slice(&chunk);
     }
@@ -365,38 +443,28 @@ fn retry_after_header(headers: &reqwest::header::HeaderMap) -> Option<Duration> 
         .map(Duration::from_secs)
 }
 
-/// How a non-2xx answer counts.
+/// A non-2xx answer: its status, and the wait it asks for (a 429's
+/// `retry_after_ms`, else a `Retry-After` header on any status).
 fn status_failure(
     status: reqwest::StatusCode,
     retry_after: Option<Duration>,
     body: &[u8],
     server: &ServerName,
 ) -> FetchFailure {
-    let reason = format!("{server} answered {status}");
-    if status == reqwest::StatusCode::TOO_MANY_REQUESTS {
-        let asked = serde_json::from_slice::<serde_json::Value>(body)
-            .ok()
-            .and_then(|v| v.get("retry_after_ms")?.as_u64())
-            .map(Duration::from_millis)
-            .or(retry_after);
-        return FetchFailure {
-            failure: Failure::SlowDown(asked),
-            reason,
-        };
+    let from_body = (status == reqwest::StatusCode::TOO_MANY_REQUESTS)
+        .then(|| {
+            serde_json::from_slice::<serde_json::Value>(body)
+                .ok()?
+                .get("retry_after_ms")?
+                .as_u64()
+        })
+        .flatten()
+        .map(Duration::from_millis);
+    FetchFailure {
+        kind: FailureKind::Status(status.as_u16()),
+        asked: from_body.or(retry_after),
+        reason: format!("{server} answered {status}"),
     }
-    if let Some(asked) = retry_after {
-        return FetchFailure {
-            failure: Failure::SlowDown(Some(asked)),
-            reason,
-        };
-    }
-    if status.is_client_error() {
-        return FetchFailure {
-            failure: Failure::Refused,
-            reason,
-        };
-    }
-    FetchFailure::transient(reason)
 }
 
 /// An error with its sources, which is where reqwest says what happened.
@@ -451,29 +519,51 @@ mod tests {
     #[test]
     fn status_table() {
         let s = name("r.example");
-        let slow = status_failure(
-            reqwest::StatusCode::TOO_MANY_REQUESTS,
-            None,
-            br#"{"errcode":"M_LIMIT_EXCEEDED","retry_after_ms":2500}"#,
-            &s,
-        );
-        assert_eq!(
-            slow.failure,
-            Failure::SlowDown(Some(Duration::from_millis(2500)))
-        );
-        let header = status_failure(
-            reqwest::StatusCode::SERVICE_UNAVAILABLE,
-            Some(Duration::from_secs(30)),
-            b"",
-            &s,
-        );
-        assert_eq!(
-            header.failure,
-            Failure::SlowDown(Some(Duration::from_secs(30)))
-        );
-        let refused = status_failure(reqwest::StatusCode::FORBIDDEN, None, b"", &s);
-        assert_eq!(refused.failure, Failure::Refused);
-        let down = status_failure(reqwest::StatusCode::BAD_GATEWAY, None, b"", &s);
-        assert_eq!(down.failure, Failure::Transient);
+        let table: [(u16, &[u8], Option<u64>, Option<u64>); 6] = [
+            // (status, body, Retry-After s, asked ms)
+            (
+                429,
+                br#"{"errcode":"M_LIMIT_EXCEEDED","retry_after_ms":2500}"#,
+                None,
+                Some(2500),
+            ),
+            // retry_after_ms wins over the header on a 429
+            (429, br#"{"retry_after_ms":2500}"#, Some(9), Some(2500)),
+            (429, b"", Some(7), Some(7000)),
+            (429, b"not json", None, None),
+            (503, b"", Some(30), Some(30_000)),
+            (404, br#"{"retry_after_ms":2500}"#, None, None),
+        ];
+        for (status, body, header, asked) in table {
+            let failure = status_failure(
+                reqwest::StatusCode::from_u16(status).unwrap(),
+                header.map(Duration::from_secs),
+                body,
+                &s,
+            );
+            assert_eq!(failure.kind, FailureKind::Status(status));
+            assert_eq!(failure.asked, asked.map(Duration::from_millis), "{status}");
+        }
+    }
+
+    #[test]
+    fn user_ids_are_encoded_outside_unreserved() {
+        let table = [
+            (
+                "@carol/q+r=s:remote.test",
+                "%40carol%2Fq%2Br%3Ds%3Aremote.test",
+            ),
+            ("@al~ice_.-9:remote.test", "%40al~ice_.-9%3Aremote.test"),
+            ("@bob:remote.test:8448", "%40bob%3Aremote.test%3A8448"),
+            ("@x:[::1]:80", "%40x%3A%5B%3A%3A1%5D%3A80"),
+        ];
+        for (user, encoded) in table {
+            let user = <&UserId>::try_from(user).unwrap();
+            assert_eq!(
+                devices_path(user),
+                format!("/_matrix/federation/v1/user/devices/{encoded}"),
+                "{user}"
+            );
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! The fetch-job consumer: takes a server's job from `DEVICE_LIST_FETCH`,
 //! fetches that server's stale users one after another, stores each answer,
-//! and acks, or NAKs with the back-off delay when the server fails.
+//! and acks; or NAKs with a delay when the server fails or when every user
+//! left is in its own back-off.
 //!
 //! One request per server at a time, across replicas: the stream holds at
 //! most one job per server and a job is delivered to one consumer at a time
@@ -8,6 +9,14 @@
 //! parallel, bounded by `concurrency`. A NAK-delayed job keeps its
 //! `max_ack_pending` slot, so the consumer allows far more pending jobs than
 //! servers are likely to be backing off at once.
+//!
+//! Failures are charged by [`super::retry::blame`]: the server's end the job
+//! with the server's back-off; a single user's back off that user alone
+//! (`stale_user.next_attempt_ms`) and the job goes on with the others. The
+//! waits live in the database (`stale_user`, `fetch_server`) so that they
+//! survive restarts and are shared by replicas; the job's NAK delay follows
+//! them, and a job delivered before its server's wait is over (recreated by
+//! the start-up rescan after the queue was lost) goes back to wait the rest.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -20,12 +29,13 @@ use tokio::sync::{Semaphore, watch};
 use tracing::Instrument as _;
 
 use super::federation::{FederationClient, FetchFailure};
-use super::retry::{Failure, RetryPolicy, spread};
+use super::retry::{Blame, FailureKind, RetryPolicy, blame, random_unit};
 use super::writer::FetchWriter;
 use crate::bus::fetch_jobs::{self, FetchJob};
 use crate::bus::streams::FETCH_STREAM;
-use crate::store::Store;
+use crate::store::backoff::DueUser;
 use crate::store::fetched::FetchedUser;
+use crate::store::{Store, now_ms};
 
 /// Durable name of the fetch-job consumer, shared by all replicas.
 pub const FETCH_CONSUMER: &str = "device-list-updater-fetch";
@@ -35,6 +45,11 @@ const USERS_PER_ROUND: u64 = 100;
 const MAX_PENDING_JOBS: i64 = 1_000_000;
 /// How long one pull waits.
 const PULL_EXPIRY: Duration = Duration::from_secs(1);
+/// A job delivered this close to its server's wait end runs anyway (clock
+/// differences between replicas).
+const EARLY_TOLERANCE_MS: i64 = 50;
+/// The wait after our own failure (the database did not answer).
+const LOCAL_RETRY: Duration = Duration::from_secs(1);
 
 /// Creates (or opens) the shared fetch-job consumer. A job whose replica
 /// stops sending progress acks (it died) is redelivered after `ack_wait`.
@@ -87,8 +102,20 @@ pub struct Fetcher {
 enum JobEnd {
     /// Every stale user of the server was fetched (or none was left).
     Done,
-    /// The server failed; wait this long.
-    Failed(Duration),
+    /// Stale users are left, each in its own back-off: come back when the
+    /// first is due (Unix ms).
+    Parked(i64),
+    /// The server failed (its `failures`-th time in a row): wait this long.
+    ServerFailed {
+        /// Server failures in a row, this one included.
+        failures: u32,
+        /// How long to wait.
+        wait: Duration,
+        /// What happened.
+        error: String,
+    },
+    /// Our side failed; try again shortly, charging nobody.
+    Local,
     /// Stopping: give the job back at once.
     Interrupted,
 }
@@ -151,16 +178,42 @@ impl Fetcher {
                 return;
             }
         };
-        let failures = message
-            .info()
-            .map(|i| u32::try_from(i.delivered).unwrap_or(u32::MAX))
-            .unwrap_or(1);
+        let server = &job.server_name;
+        // The server's wait as stored is the truth: a job that arrives early
+        // (the rescan recreated a lost queue) waits out the rest.
+        let wait = match self.store.server_wait(server).await {
+            Ok(wait) => wait,
+            Err(e) => {
+                tracing::warn!(error = %e, %server, "cannot read the server's fetch state");
+                let _ = message.ack_with(AckKind::Nak(Some(LOCAL_RETRY))).await;
+                return;
+            }
+        };
+        let failures = wait
+            .as_ref()
+            .map_or(0, |w| u32::try_from(w.failures).unwrap_or(0));
+        if let Some(wait) = &wait {
+            let left = wait.next_attempt_ms - now_ms();
+            if left > EARLY_TOLERANCE_MS {
+                let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
+                tracing::debug!(%server, ?left, "fetch job early; waiting out the server's wait");
+                let _ = message.ack_with(AckKind::Nak(Some(left))).await;
+                return;
+            }
+            if wait.next_attempt_ms != 0
+                && let Err(e) = self.store.server_running(server).await
+            {
+                tracing::warn!(error = %e, %server, "cannot mark the fetch job running");
+                let _ = message.ack_with(AckKind::Nak(Some(LOCAL_RETRY))).await;
+                return;
+            }
+        }
         let end = {
             let keep_alive = keep_alive(&message, self.ack_wait / 3);
             self.metrics.fetches_in_flight(1);
-            let span = tracing::info_span!("fetch_job", server = %job.server_name, failures);
+            let span = tracing::info_span!("fetch_job", server = %server, failures);
             let end = self
-                .run_job(&job.server_name, failures, &shutdown)
+                .run_job(server, failures, &shutdown)
                 .instrument(span)
                 .await;
             self.metrics.fetches_in_flight(-1);
@@ -170,23 +223,35 @@ impl Fetcher {
         match end {
             JobEnd::Done => {
                 if let Err(e) = message.double_ack().await {
-                    tracing::warn!(error = %e, server = %job.server_name, "fetch job ack failed; it will run again");
+                    tracing::warn!(error = %e, %server, "fetch job ack failed; it will run again");
                     return;
                 }
                 // Users marked stale while this job was in hand could not
                 // enqueue a second job for the server: look again.
-                match self.store.stale_users(&job.server_name, 1).await {
-                    Ok(users) if !users.is_empty() => self.enqueue(&job.server_name).await,
+                match self.store.stale_users(server, 1).await {
+                    Ok(users) if !users.is_empty() => self.enqueue(server).await,
                     Ok(_) => {}
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot check for stale users; enqueueing anyway");
-                        self.enqueue(&job.server_name).await;
+                        self.enqueue(server).await;
                     }
                 }
             }
-            JobEnd::Failed(delay) => {
-                tracing::info!(server = %job.server_name, failures, delay = ?delay, "fetch failed; backing off");
-                let _ = message.ack_with(AckKind::Nak(Some(delay))).await;
+            JobEnd::Parked(due_ms) => {
+                let left = Duration::from_millis(u64::try_from(due_ms - now_ms()).unwrap_or(0));
+                tracing::debug!(%server, ?left, "every stale user left is in its own back-off");
+                let _ = message.ack_with(AckKind::Nak(Some(left))).await;
+            }
+            JobEnd::ServerFailed {
+                failures,
+                wait,
+                error,
+            } => {
+                tracing::info!(%server, failures, ?wait, %error, "server failed; backing off");
+                let _ = message.ack_with(AckKind::Nak(Some(wait))).await;
+            }
+            JobEnd::Local => {
+                let _ = message.ack_with(AckKind::Nak(Some(LOCAL_RETRY))).await;
             }
             JobEnd::Interrupted => {
                 // Stopping: give the job back, delayed past this replica's
@@ -202,7 +267,8 @@ impl Fetcher {
         }
     }
 
-    /// Fetches the server's stale users, one request at a time.
+    /// Fetches the server's stale users whose own wait is over, one
+    /// request at a time. `failures`: the server's failures in a row so far.
     async fn run_job(
         &self,
         server: &OwnedServerName,
@@ -211,30 +277,32 @@ impl Fetcher {
     ) -> JobEnd {
         // A user still stale after its fetch (an update arrived meanwhile)
         // waits for the follow-up job, so one job cannot loop forever.
-        let mut fetched: BTreeSet<OwnedUserId> = BTreeSet::new();
+        let mut done: BTreeSet<OwnedUserId> = BTreeSet::new();
+        let mut backing_off = failures > 0;
         loop {
             if *shutdown.borrow() {
                 return JobEnd::Interrupted;
             }
-            let users = match self
+            let now = now_ms();
+            let due = match self
                 .store
-                .stale_users(server, USERS_PER_ROUND + fetched.len() as u64)
+                .due_stale_users(server, now, USERS_PER_ROUND + done.len() as u64)
                 .await
             {
                 Ok(users) => users,
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot read stale users");
-                    return JobEnd::Failed(Duration::from_secs(1));
+                    return JobEnd::Local;
                 }
             };
-            let todo: Vec<_> = users
+            let todo: Vec<DueUser> = due
                 .into_iter()
-                .filter(|(user, _)| !fetched.contains(user))
+                .filter(|due| !done.contains(&due.user))
                 .collect();
             if todo.is_empty() {
-                return JobEnd::Done;
+                return self.park_or_done(server).await;
             }
-            for (user, mark) in todo {
+            for due in todo {
                 if *shutdown.borrow() {
                     return JobEnd::Interrupted;
                 }
@@ -243,26 +311,104 @@ impl Fetcher {
                 // DLU_FEDERATION_TIMEOUT. A list already handed to the writer
                 // is still stored by it.
                 let mut stop = shutdown.clone();
-                let fetched_one = tokio::select! {
-                    result = self.fetch_user(&user, &mark) => result,
+                let result = tokio::select! {
+                    result = self.fetch_user(&due.user, &due.mark) => result,
                     _ = stop.wait_for(|s| *s) => return JobEnd::Interrupted,
                 };
-                if let Err(failure) = fetched_one {
-                    tracing::info!(%user, reason = %failure.reason, "fetch failed");
-                    if let Err(e) = self.store.note_fetch_error(&user, &failure.reason).await {
-                        tracing::debug!(error = %e, "cannot record the fetch error");
+                let charged = result.as_ref().err().map(|f| blame(f.kind));
+                if backing_off && charged != Some(Blame::Server) && charged != Some(Blame::Local) {
+                    // It answered: the server's back-off is over.
+                    backing_off = false;
+                    if let Err(e) = self.store.server_answered(server).await {
+                        tracing::warn!(error = %e, %server, "cannot clear the server's back-off");
                     }
-                    let delay = self.policy.delay(failures, failure.failure);
-                    let unit = f64::from(getrandom::u32().unwrap_or(0)) / f64::from(u32::MAX);
-                    return JobEnd::Failed(spread(delay, 0.1, unit));
                 }
-                fetched.insert(user);
+                let Err(failure) = result else {
+                    done.insert(due.user);
+                    continue;
+                };
+                tracing::info!(user = %due.user, reason = %failure.reason, "fetch failed");
+                match blame(failure.kind) {
+                    Blame::Server => return self.server_failed(server, failures, failure).await,
+                    Blame::User => self.user_failed(&due, &failure).await,
+                    Blame::Local => return JobEnd::Local,
+                }
+                done.insert(due.user);
             }
         }
     }
 
+    /// No stale user is due: the job is done, or parked until the first
+    /// user's own wait ends. The park is written before looking once more,
+    /// so a user marked stale meanwhile is either seen here or finds the
+    /// job parked and wakes it ([`super::wake`]).
+    async fn park_or_done(&self, server: &OwnedServerName) -> JobEnd {
+        let now = now_ms();
+        let next = match self.store.next_user_due(server, now).await {
+            Ok(next) => next,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read stale users");
+                return JobEnd::Local;
+            }
+        };
+        let Some(due_ms) = next else {
+            return JobEnd::Done;
+        };
+        if let Err(e) = self.store.set_server_wait(server, 0, due_ms, None).await {
+            tracing::warn!(error = %e, %server, "cannot park the fetch job");
+            return JobEnd::Local;
+        }
+        match self.store.has_due_user(server, now_ms()).await {
+            Ok(false) => JobEnd::Parked(due_ms),
+            // Someone became due: run again now rather than park.
+            Ok(true) | Err(_) => {
+                let _ = self.store.server_running(server).await;
+                JobEnd::Local
+            }
+        }
+    }
+
+    /// The server failed: its back-off grows; recorded before the NAK so a
+    /// wake-up can find it.
+    async fn server_failed(
+        &self,
+        server: &OwnedServerName,
+        failures: u32,
+        failure: FetchFailure,
+    ) -> JobEnd {
+        let failures = failures.saturating_add(1);
+        let wait = self.policy.wait(failures, failure.asked, random_unit());
+        let until = now_ms().saturating_add(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX));
+        if let Err(e) = self
+            .store
+            .set_server_wait(server, failures, until, Some(&failure.reason))
+            .await
+        {
+            tracing::warn!(error = %e, %server, "cannot record the server's back-off");
+        }
+        JobEnd::ServerFailed {
+            failures,
+            wait,
+            error: failure.reason,
+        }
+    }
+
+    /// One user's answer was unusable: that user alone backs off.
+    async fn user_failed(&self, due: &DueUser, failure: &FetchFailure) {
+        let failures = due.failures.saturating_add(1);
+        let wait = self.policy.wait(failures, failure.asked, random_unit());
+        let until = now_ms().saturating_add(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX));
+        if let Err(e) = self
+            .store
+            .note_user_failure(&due.user, failures, until, &failure.reason)
+            .await
+        {
+            tracing::warn!(error = %e, user = %due.user, "cannot record the user's back-off");
+        }
+    }
+
     /// Fetches and stores one user.
-    pub async fn fetch_user(
+    async fn fetch_user(
         &self,
         user: &OwnedUserId,
         mark: &crate::decide::StaleMark,
@@ -289,16 +435,10 @@ impl Fetcher {
                 list,
             })
             .await
-            .map_err(|e| FetchFailure {
-                failure: Failure::Transient,
-                reason: format!("cannot store the list: {e}"),
-            })?
+            .map_err(|e| FetchFailure::new(FailureKind::Local, format!("cannot store the list: {e}")))?
             .map_err(|refusal| {
                 self.metrics.fetch(server, "user_mismatch", seconds);
-                FetchFailure {
-                    failure: Failure::Transient,
-                    reason: format!("answer refused: {refusal:?}"),
-                }
+                FetchFailure::new(FailureKind::WrongUser, format!("answer refused: {refusal:?}"))
             })?;
         self.metrics.fetch(
             server,
@@ -324,10 +464,13 @@ impl Fetcher {
 
 /// The metric label of a failed fetch.
 fn failure_label(failure: &FetchFailure) -> &'static str {
-    match failure.failure {
-        Failure::Transient => "failed",
-        Failure::SlowDown(_) => "rate_limited",
-        Failure::Refused => "refused_by_server",
+    match (failure.kind, blame(failure.kind)) {
+        (FailureKind::Status(429), _) => "rate_limited",
+        (_, Blame::Server) => "failed",
+        (FailureKind::Status(_), Blame::User) => "refused_by_server",
+        (FailureKind::WrongUser, _) => "user_mismatch",
+        (_, Blame::User) => "unusable_answer",
+        (_, Blame::Local) => "local_error",
     }
 }
 

@@ -1,12 +1,13 @@
 //! Fetch: making stale device lists fresh again (SPEC §5.2, §5.3).
 //!
-//! * [`retry`]: the per-server back-off policy (pure);
+//! * [`retry`]: whose failure a failed fetch is, and the back-off (pure);
 //! * [`guard`]: which addresses a fetch may connect to (pure);
 //! * [`answer`]: reading a `/user/devices` answer (pure);
 //! * [`discovery`]: SRV and port 8448 for hostnames (pure choice over a DNS trait);
 //! * [`federation`]: the signed request, discovery and the guarded client;
 //! * [`jobs`]: the fetch-job consumer that ties them together;
-//! * [`writer`]: stores fetched lists in groups, one transaction each.
+//! * [`writer`]: stores fetched lists in groups, one transaction each;
+//! * [`wake`]: input from a server ends its job's wait (rule pure).
 
 pub mod answer;
 pub mod discovery;
@@ -14,4 +15,5 @@ pub mod federation;
 pub mod guard;
 pub mod jobs;
 pub mod retry;
+pub mod wake;
 pub mod writer;

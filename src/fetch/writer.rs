@@ -51,12 +51,7 @@ impl FetchWriter {
     }
 }
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
+use crate::store::now_ms;
 
 async fn run(
     store: Store,

@@ -23,7 +23,7 @@ const SELECT_USERS: &str = "SELECT user_id, server_name, known_stream_ids, max_s
      FROM remote_user WHERE user_id = ANY($1::text[])";
 
 const SELECT_STALE: &str = "SELECT user_id, server_name, marked_at_ms, trigger_stream_ids, \
-     last_error FROM stale_user WHERE user_id = ANY($1::text[])";
+     last_error, failures, next_attempt_ms FROM stale_user WHERE user_id = ANY($1::text[])";
 
 /// Exactly the (user, device) pairs asked for.
 const SELECT_DEVICES: &str = "SELECT d.user_id, d.device_id, d.display_name, d.keys_json, \

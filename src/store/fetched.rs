@@ -189,6 +189,18 @@ impl Store {
             outcomes.push(outcome);
         }
         let outbox = write::plan(&txn, &rows, now_ms).await?;
+        // A user kept stale by a trigger that came in meanwhile was answered:
+        // its own back-off is over.
+        let answered: Vec<String> = rows.stale.keys().map(|u| u.as_str().to_owned()).collect();
+        for chunk in answered.chunks(500) {
+            use sea_orm::sea_query::Expr;
+            stale_user::Entity::update_many()
+                .col_expr(stale_user::Column::Failures, Expr::value(0))
+                .col_expr(stale_user::Column::NextAttemptMs, Expr::value(0_i64))
+                .filter(stale_user::Column::UserId.is_in(chunk.iter().cloned()))
+                .exec(&txn)
+                .await?;
+        }
         for chunk in fresh.chunks(500) {
             stale_user::Entity::delete_many()
                 .filter(stale_user::Column::UserId.is_in(chunk.iter().cloned()))
@@ -211,7 +223,7 @@ pub struct FetchedUser {
     pub list: FetchedList,
 }
 
-fn stale_mark(marked_at_ms: i64, triggers: &str) -> StaleMark {
+pub(super) fn stale_mark(marked_at_ms: i64, triggers: &str) -> StaleMark {
     StaleMark {
         trigger_ids: serde_json::from_str(triggers).unwrap_or_default(),
         marked_at_ms,

@@ -4,6 +4,7 @@
 //! the batch's users, loads their state, runs the pure planner and writes the
 //! plan together with its key-change events (the outbox).
 
+pub mod backoff;
 mod bulk;
 pub mod fetched;
 mod load;
@@ -24,6 +25,14 @@ use tokio::sync::oneshot;
 use crate::decide::{Plan, plan_batch};
 use crate::input::InputMessage;
 use outbox::OutboxBatch;
+
+/// The wall clock in Unix milliseconds, as every stored time is kept.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
 
 /// How long a SQLite writer waits for another writer before failing.
 const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(30);

@@ -12,7 +12,7 @@ use super::outbox::{self, OutboxBatch, OutboxEvent};
 use crate::decide::Plan;
 
 /// Rows per multi-row INSERT (PostgreSQL allows 65 535 parameters).
-const CHUNK: usize = 1000;
+pub(super) const CHUNK: usize = 1000;
 
 /// Writes every dirty row of `plan` and its events; returns the recorded
 /// outbox batch (None when the plan has no events).
@@ -35,7 +35,11 @@ pub(super) async fn plan<C: ConnectionTrait>(
             server_name: Set(user.server_name().to_string()),
             marked_at_ms: Set(mark.marked_at_ms),
             trigger_stream_ids: Set(serde_json::to_string(&mark.trigger_ids).unwrap_or_default()),
+            // A new mark starts with no failures (the columns' defaults);
+            // re-marking a user keeps its own back-off (SPEC §5.2).
             last_error: NotSet,
+            failures: NotSet,
+            next_attempt_ms: NotSet,
         })
         .collect();
     for chunk in stale.chunks(CHUNK) {

@@ -1,0 +1,265 @@
+//! Wake-ups (SPEC §5.2): input about a server's users can end the wait of
+//! that server's fetch job.
+//!
+//! - An update or signing-key update from a server in back-off shows that it
+//!   is up: the back-off ends and its stale users are fetched now, at most
+//!   once per `DLU_RETRY_MIN` per server (a flapping server cannot turn a
+//!   storm of updates into a storm of requests).
+//! - A server whose job is parked only because its known stale users are in
+//!   their own back-off gets a new stale user: the job runs now for it.
+//!
+//! Either way the server's row in `fetch_server` is changed by
+//! compare-and-set, so exactly one replica wins, and the waiting job message
+//! (in a NAK delay on whichever replica's consumer) is replaced by one that
+//! is deliverable at once ([`crate::bus::fetch_jobs::replace`]). A job that
+//! is running is never waiting, so it is never replaced: one request per
+//! server at a time still holds.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::Context;
+use ruma::{OwnedServerName, ServerName};
+use tokio::sync::{Notify, watch};
+
+use crate::bus::fetch_jobs;
+use crate::metrics::Metrics;
+use crate::store::backoff::ServerWait;
+use crate::store::{Store, now_ms};
+
+/// Why a waiting job is started early.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wake {
+    /// The server sent an update while in back-off.
+    BackOffEnded,
+    /// The job was parked for its users' own waits and a user is due now.
+    UserDue,
+}
+
+impl Wake {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Wake::BackOffEnded => "back_off_ended",
+            Wake::UserDue => "user_due",
+        }
+    }
+}
+
+/// Whether the job of a server in state `wait` is started now (pure).
+///
+/// `heard`: an update or signing-key update from the server itself arrived.
+/// `due_user`: the server has a stale user whose own wait is over (only
+/// asked when the job is parked rather than backing off).
+pub fn wake_reason(
+    wait: &ServerWait,
+    now_ms: i64,
+    min_gap: Duration,
+    heard: bool,
+    due_user: bool,
+) -> Option<Wake> {
+    if wait.next_attempt_ms <= now_ms {
+        // Not waiting: running, or due anyway.
+        return None;
+    }
+    if wait.failures > 0 {
+        let gap = i64::try_from(min_gap.as_millis()).unwrap_or(i64::MAX);
+        let rested = now_ms.saturating_sub(wait.last_wake_ms) >= gap;
+        return (heard && rested).then_some(Wake::BackOffEnded);
+    }
+    due_user.then_some(Wake::UserDue)
+}
+
+/// Collects servers that input was about and checks their jobs in the
+/// background, coalescing bursts: a server noted many times while a round
+/// runs is checked once in the next.
+#[derive(Clone, Default)]
+pub struct Wakeups {
+    inner: Arc<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Server → whether the server itself was heard from.
+    pending: Mutex<BTreeMap<OwnedServerName, bool>>,
+    notify: Notify,
+}
+
+/// Pause between rounds, so a steady stream of batches costs a few cheap
+/// queries a second, not one per batch.
+const ROUND_PAUSE: Duration = Duration::from_millis(100);
+
+impl Wakeups {
+    /// Notes input about users of `server`; `heard`: it came from the
+    /// server itself (an update or a signing-key update, not a resync).
+    pub fn note(&self, server: &ServerName, heard: bool) {
+        let mut pending = self
+            .inner
+            .pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let entry = pending.entry(server.to_owned()).or_default();
+        *entry |= heard;
+        drop(pending);
+        self.inner.notify.notify_one();
+    }
+
+    fn take(&self) -> BTreeMap<OwnedServerName, bool> {
+        std::mem::take(
+            &mut *self
+                .inner
+                .pending
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
+    /// Checks noted servers until `shutdown` turns true.
+    pub async fn run(
+        self,
+        store: Store,
+        js: Context,
+        min_gap: Duration,
+        metrics: Metrics,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        loop {
+            tokio::select! {
+                () = self.inner.notify.notified() => {}
+                _ = shutdown.wait_for(|s| *s) => return,
+            }
+            let noted = self.take();
+            if noted.is_empty() {
+                continue;
+            }
+            match wake_round(&store, &js, &noted, min_gap).await {
+                Ok(woken) => {
+                    for (server, wake) in woken {
+                        tracing::info!(%server, reason = wake.as_str(), "fetch job woken");
+                        metrics.wakeup(wake.as_str());
+                    }
+                }
+                Err(e) => {
+                    // Put them back for the next round.
+                    tracing::warn!(error = %e, "wake-up check failed; retrying");
+                    for (server, heard) in noted {
+                        self.note(&server, heard);
+                    }
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(ROUND_PAUSE) => {}
+                _ = shutdown.wait_for(|s| *s) => return,
+            }
+        }
+    }
+}
+
+/// One check of `noted` servers (→ heard from itself): ends the waits that
+/// [`wake_reason`] allows and replaces their jobs. Returns the woken ones.
+pub async fn wake_round(
+    store: &Store,
+    js: &Context,
+    noted: &BTreeMap<OwnedServerName, bool>,
+    min_gap: Duration,
+) -> Result<Vec<(OwnedServerName, Wake)>, String> {
+    let now = now_ms();
+    let servers: Vec<&ServerName> = noted.keys().map(|s| &**s).collect();
+    let waiting = store
+        .waiting_servers(&servers, now)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut woken = Vec::new();
+    for wait in waiting {
+        let Ok(server) = OwnedServerName::try_from(wait.server_name.as_str()) else {
+            continue;
+        };
+        let heard = noted.get(&server).copied().unwrap_or(false);
+        let due_user = wait.failures == 0
+            && store
+                .has_due_user(&server, now)
+                .await
+                .map_err(|e| e.to_string())?;
+        let Some(wake) = wake_reason(&wait, now, min_gap, heard, due_user) else {
+            continue;
+        };
+        let woken_at = (wake == Wake::BackOffEnded).then_some(now);
+        if !store
+            .end_server_wait(&wait, woken_at)
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            // Another replica woke it, or its job changed it: nothing to do.
+            continue;
+        }
+        fetch_jobs::replace(js, &server).await?;
+        woken.push((server, wake));
+    }
+    Ok(woken)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN_GAP: Duration = Duration::from_secs(60);
+    const NOW: i64 = 1_000_000;
+
+    fn wait(failures: i32, next_attempt_ms: i64, last_wake_ms: i64) -> ServerWait {
+        ServerWait {
+            server_name: "remote.example".into(),
+            failures,
+            next_attempt_ms,
+            last_wake_ms,
+            last_error: None,
+        }
+    }
+
+    #[test]
+    fn wake_table() {
+        use Wake::{BackOffEnded, UserDue};
+        let later = NOW + 40_000;
+        let table = [
+            // (failures, next attempt, last wake, heard, due user, expected)
+            // In back-off: an update from the server ends it.
+            (3, later, 0, true, false, Some(BackOffEnded)),
+            (3, later, 0, true, true, Some(BackOffEnded)),
+            // A resync (not from the server) does not.
+            (3, later, 0, false, true, None),
+            // At most one wake per DLU_RETRY_MIN.
+            (3, later, NOW - 59_999, true, false, None),
+            (3, later, NOW - 60_000, true, false, Some(BackOffEnded)),
+            // Not waiting (running, or the wait is over): nothing to do.
+            (3, NOW, 0, true, true, None),
+            (0, 0, 0, true, true, None),
+            // Parked for users' own waits: a due user starts it.
+            (0, later, 0, false, true, Some(UserDue)),
+            (0, later, NOW, true, true, Some(UserDue)),
+            (0, later, 0, true, false, None),
+        ];
+        for (failures, next, last_wake, heard, due, expected) in table {
+            assert_eq!(
+                wake_reason(&wait(failures, next, last_wake), NOW, MIN_GAP, heard, due),
+                expected,
+                "failures {failures}, next {next}, last wake {last_wake}, heard {heard}, due {due}"
+            );
+        }
+    }
+
+    #[test]
+    fn notes_coalesce_and_remember_hearing() {
+        let wakeups = Wakeups::default();
+        let a = <&ServerName>::try_from("a.example").unwrap();
+        let b = <&ServerName>::try_from("b.example").unwrap();
+        wakeups.note(a, false);
+        wakeups.note(a, true);
+        wakeups.note(a, false);
+        wakeups.note(b, false);
+        let taken = wakeups.take();
+        assert_eq!(taken.len(), 2);
+        assert_eq!(taken.get(a), Some(&true));
+        assert_eq!(taken.get(b), Some(&false));
+        assert!(wakeups.take().is_empty());
+    }
+}

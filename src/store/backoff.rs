@@ -1,0 +1,237 @@
+//! Fetch failure state (SPEC §5.2): per-user waits on `stale_user`, and per
+//! server waits in `fetch_server`. Only a server's running job writes its
+//! users' waits and its own row (one job per server at a time, across
+//! replicas); a wake-up changes the row only by compare-and-set.
+
+use entity::{fetch_server, stale_user};
+use ruma::{OwnedUserId, ServerName, UserId};
+use sea_orm::sea_query::{Expr, OnConflict};
+use sea_orm::{
+    ActiveValue::Set, ColumnTrait, DbErr, EntityTrait, PaginatorTrait, QueryFilter, QueryOrder,
+    QuerySelect,
+};
+
+use super::Store;
+use super::fetched::stale_mark;
+use crate::decide::StaleMark;
+
+/// A stale user whose own wait is over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DueUser {
+    /// The user.
+    pub user: OwnedUserId,
+    /// Its stale mark now.
+    pub mark: StaleMark,
+    /// Its own failures in a row so far.
+    pub failures: u32,
+}
+
+/// A server's fetch state as stored (None in the API: nothing to wait for).
+pub type ServerWait = fetch_server::Model;
+
+impl Store {
+    /// Stale users of `server` that may be fetched at `now_ms` (their own
+    /// wait is over), oldest mark first, at most `limit`.
+    pub async fn due_stale_users(
+        &self,
+        server: &ServerName,
+        now_ms: i64,
+        limit: u64,
+    ) -> Result<Vec<DueUser>, DbErr> {
+        let rows = stale_user::Entity::find()
+            .filter(stale_user::Column::ServerName.eq(server.as_str()))
+            .filter(stale_user::Column::NextAttemptMs.lte(now_ms))
+            .order_by_asc(stale_user::Column::MarkedAtMs)
+            .order_by_asc(stale_user::Column::UserId)
+            .limit(limit)
+            .all(&self.db)
+            .await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|row| {
+                Some(DueUser {
+                    user: OwnedUserId::try_from(row.user_id).ok()?,
+                    mark: stale_mark(row.marked_at_ms, &row.trigger_stream_ids),
+                    failures: u32::try_from(row.failures).unwrap_or(0),
+                })
+            })
+            .collect())
+    }
+
+    /// When the first stale user of `server` whose own wait is not over at
+    /// `now_ms` becomes due (None: no such user).
+    pub async fn next_user_due(
+        &self,
+        server: &ServerName,
+        now_ms: i64,
+    ) -> Result<Option<i64>, DbErr> {
+        stale_user::Entity::find()
+            .select_only()
+            .column_as(stale_user::Column::NextAttemptMs.min(), "due")
+            .filter(stale_user::Column::ServerName.eq(server.as_str()))
+            .filter(stale_user::Column::NextAttemptMs.gt(now_ms))
+            .into_tuple::<Option<i64>>()
+            .one(&self.db)
+            .await
+            .map(Option::flatten)
+    }
+
+    /// Whether `server` has a stale user that may be fetched at `now_ms`.
+    pub async fn has_due_user(&self, server: &ServerName, now_ms: i64) -> Result<bool, DbErr> {
+        Ok(!self.due_stale_users(server, now_ms, 1).await?.is_empty())
+    }
+
+    /// Records `user`'s own failure: `failures` in a row now, not to be
+    /// asked again before `next_attempt_ms`.
+    pub async fn note_user_failure(
+        &self,
+        user: &UserId,
+        failures: u32,
+        next_attempt_ms: i64,
+        error: &str,
+    ) -> Result<(), DbErr> {
+        stale_user::Entity::update_many()
+            .col_expr(
+                stale_user::Column::Failures,
+                Expr::value(i32::try_from(failures).unwrap_or(i32::MAX)),
+            )
+            .col_expr(
+                stale_user::Column::NextAttemptMs,
+                Expr::value(next_attempt_ms),
+            )
+            .col_expr(stale_user::Column::LastError, Expr::value(error.to_owned()))
+            .filter(stale_user::Column::UserId.eq(user.as_str()))
+            .exec(&self.db)
+            .await?;
+        Ok(())
+    }
+
+    /// `server`'s fetch state (None: it has nothing to wait for).
+    pub async fn server_wait(&self, server: &ServerName) -> Result<Option<ServerWait>, DbErr> {
+        fetch_server::Entity::find_by_id(server.as_str().to_owned())
+            .one(&self.db)
+            .await
+    }
+
+    /// The states of those of `servers` whose job waits past `now_ms`.
+    pub async fn waiting_servers(
+        &self,
+        servers: &[&ServerName],
+        now_ms: i64,
+    ) -> Result<Vec<ServerWait>, DbErr> {
+        let mut out = Vec::new();
+        for chunk in servers.chunks(super::write::CHUNK) {
+            out.extend(
+                fetch_server::Entity::find()
+                    .filter(
+                        fetch_server::Column::ServerName
+                            .is_in(chunk.iter().map(|s| s.as_str().to_owned())),
+                    )
+                    .filter(fetch_server::Column::NextAttemptMs.gt(now_ms))
+                    .all(&self.db)
+                    .await?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// Records that `server`'s job waits until `next_attempt_ms`: after its
+    /// `failures`-th failure in a row (with `error`), or with `failures` 0
+    /// when only its users' own waits hold it (parked). Keeps `last_wake_ms`.
+    pub async fn set_server_wait(
+        &self,
+        server: &ServerName,
+        failures: u32,
+        next_attempt_ms: i64,
+        error: Option<&str>,
+    ) -> Result<(), DbErr> {
+        let failures = i32::try_from(failures).unwrap_or(i32::MAX);
+        fetch_server::Entity::insert(fetch_server::ActiveModel {
+            server_name: Set(server.as_str().to_owned()),
+            failures: Set(failures),
+            next_attempt_ms: Set(next_attempt_ms),
+            last_wake_ms: Set(0),
+            last_error: Set(error.map(str::to_owned)),
+        })
+        .on_conflict(
+            OnConflict::column(fetch_server::Column::ServerName)
+                .update_columns([
+                    fetch_server::Column::Failures,
+                    fetch_server::Column::NextAttemptMs,
+                    fetch_server::Column::LastError,
+                ])
+                .to_owned(),
+        )
+        .exec_without_returning(&self.db)
+        .await?;
+        Ok(())
+    }
+
+    /// `server`'s job is running: not waiting (so no wake-up replaces it),
+    /// its failure count kept until it answers.
+    pub async fn server_running(&self, server: &ServerName) -> Result<(), DbErr> {
+        fetch_server::Entity::update_many()
+            .col_expr(fetch_server::Column::NextAttemptMs, Expr::value(0_i64))
+            .filter(fetch_server::Column::ServerName.eq(server.as_str()))
+            .exec(&self.db)
+            .await?;
+        Ok(())
+    }
+
+    /// `server` answered: its back-off is over. The row stays for
+    /// `last_wake_ms`, which limits wake-ups of a flapping server.
+    pub async fn server_answered(&self, server: &ServerName) -> Result<(), DbErr> {
+        fetch_server::Entity::update_many()
+            .col_expr(fetch_server::Column::Failures, Expr::value(0))
+            .col_expr(fetch_server::Column::NextAttemptMs, Expr::value(0_i64))
+            .col_expr(
+                fetch_server::Column::LastError,
+                Expr::value(Option::<String>::None),
+            )
+            .filter(fetch_server::Column::ServerName.eq(server.as_str()))
+            .exec(&self.db)
+            .await?;
+        Ok(())
+    }
+
+    /// Ends the wait of `seen` (as read before) if nobody changed it since:
+    /// the job may run now. `woken_at_ms` becomes its `last_wake_ms` when
+    /// given. True when this call ended it (exactly one caller across
+    /// replicas wins).
+    pub async fn end_server_wait(
+        &self,
+        seen: &ServerWait,
+        woken_at_ms: Option<i64>,
+    ) -> Result<bool, DbErr> {
+        let mut update = fetch_server::Entity::update_many()
+            .col_expr(fetch_server::Column::NextAttemptMs, Expr::value(0_i64));
+        if let Some(at) = woken_at_ms {
+            update = update.col_expr(fetch_server::Column::LastWakeMs, Expr::value(at));
+        }
+        let result = update
+            .filter(fetch_server::Column::ServerName.eq(seen.server_name.as_str()))
+            .filter(fetch_server::Column::NextAttemptMs.eq(seen.next_attempt_ms))
+            .filter(fetch_server::Column::LastWakeMs.eq(seen.last_wake_ms))
+            .filter(fetch_server::Column::Failures.eq(seen.failures))
+            .exec(&self.db)
+            .await?;
+        Ok(result.rows_affected == 1)
+    }
+
+    /// Stale users in their own back-off at `now_ms` (for `/metrics`).
+    pub async fn users_backing_off(&self, now_ms: i64) -> Result<u64, DbErr> {
+        stale_user::Entity::find()
+            .filter(stale_user::Column::NextAttemptMs.gt(now_ms))
+            .count(&self.db)
+            .await
+    }
+
+    /// Servers in back-off after their own failures at `now_ms` (for `/metrics`).
+    pub async fn servers_backing_off(&self, now_ms: i64) -> Result<u64, DbErr> {
+        fetch_server::Entity::find()
+            .filter(fetch_server::Column::Failures.gt(0))
+            .filter(fetch_server::Column::NextAttemptMs.gt(now_ms))
+            .count(&self.db)
+            .await
+    }
+}
