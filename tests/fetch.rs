@@ -5,119 +5,16 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Backend, Nats, TestDb, publish, stream_len, wait_stream};
-use device_list_updater::config::Config;
-use device_list_updater::testkit::remote::{MockFederation, Reply, device_keys, device_list};
-use device_list_updater::worker::{self, Faults, Running};
-use entity::{remote_device, stale_user};
-use sea_orm::{
-    ActiveModelTrait, ActiveValue::Set, ColumnTrait, EntityTrait, PaginatorTrait, QueryFilter,
-};
+use common::fetch_env::{Env, update};
+use common::{Backend, Nats, TestDb, stream_len, wait_stream};
+use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
+use device_list_updater::worker::{self, Faults};
+use entity::stale_user;
+use sea_orm::{ActiveModelTrait, ActiveValue::Set, EntityTrait, PaginatorTrait};
 use serde_json::json;
 
 const ALICE: &str = "@alice:remote.example";
 const REMOTE: &str = "remote.example";
-
-struct Env {
-    _nats: Nats,
-    _db: TestDb,
-    js: async_nats::jetstream::Context,
-    worker: Running,
-    fleet: MockFederation,
-}
-
-impl Env {
-    /// A worker whose remote servers `servers` are all played by one fleet.
-    async fn start(
-        backend: Backend,
-        servers: &[&str],
-        latency: Duration,
-        tune: impl FnOnce(&mut Config),
-    ) -> Env {
-        let nats = Nats::start().await;
-        let db = TestDb::new(backend).await;
-        let mut config = common::config(&nats, &db);
-        let fleet = MockFederation::trusting(&config, latency).await;
-        fleet.serve(&mut config, servers.iter().copied());
-        tune(&mut config);
-        let worker = worker::start(config, Faults::default())
-            .await
-            .expect("worker starts");
-        let js = nats.js().await;
-        Env {
-            _nats: nats,
-            _db: db,
-            js,
-            worker,
-            fleet,
-        }
-    }
-
-    fn db(&self) -> &sea_orm::DatabaseConnection {
-        self.worker.store.connection()
-    }
-
-    async fn update(&self, body: serde_json::Value) {
-        publish(&self.js, "devicelist.in.update", &body.to_string(), None).await;
-    }
-
-    async fn resync(&self, user: &str) {
-        publish(
-            &self.js,
-            "devicelist.in.resync",
-            &json!({"user_id": user}).to_string(),
-            None,
-        )
-        .await;
-    }
-
-    async fn is_stale(&self, user: &str) -> bool {
-        stale_user::Entity::find_by_id(user.to_owned())
-            .one(self.db())
-            .await
-            .expect("query")
-            .is_some()
-    }
-
-    /// Waits until `user` has been asked for `requests` times and is fresh.
-    async fn wait_fresh(&self, user: &str, requests: usize) {
-        common::eventually(
-            Duration::from_secs(20),
-            &format!("{user} fetched {requests}× and fresh"),
-            || async {
-                (self.fleet.requests(user) >= requests && !self.is_stale(user).await).then_some(())
-            },
-        )
-        .await;
-    }
-
-    /// Waits until the input is drained and every committed event is published.
-    async fn settled(&self) {
-        common::wait_input_drained(&self.js).await;
-        common::eventually(Duration::from_secs(10), "outbox empty", || async {
-            (self.worker.store.outbox_len().await.ok()? == 0).then_some(())
-        })
-        .await;
-    }
-
-    async fn devices(&self, user: &str) -> Vec<(String, bool)> {
-        let mut rows: Vec<(String, bool)> = remote_device::Entity::find()
-            .filter(remote_device::Column::UserId.eq(user))
-            .all(self.db())
-            .await
-            .expect("query")
-            .into_iter()
-            .map(|d| (d.device_id, d.deleted))
-            .collect();
-        rows.sort();
-        rows
-    }
-}
-
-fn update(user: &str, device: &str, stream_id: i64, prev: &[i64], name: &str) -> serde_json::Value {
-    json!({"user_id": user, "device_id": device, "stream_id": stream_id, "prev_id": prev,
-           "device_display_name": name, "keys": device_keys(user, device)})
-}
 
 /// Empty prev_id: one fetch, the list stored, one event per device, the user
 /// fresh; the sender's next update applies without another fetch.

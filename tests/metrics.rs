@@ -12,13 +12,6 @@ use serde_json::json;
 
 const ALICE: &str = "@alice:remote.example";
 
-/// The value of the sample `name` (with its labels, as printed), if present.
-fn sample(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
 async fn metrics_follow_the_work(backend: Backend) {
     let nats = Nats::start().await;
     let db = TestDb::new(backend).await;
@@ -43,9 +36,9 @@ async fn metrics_follow_the_work(backend: Backend) {
     let text = common::eventually(Duration::from_secs(20), "metrics settle", || async {
         let (status, text) = common::http_get(running.http_addr, "/metrics").await;
         assert_eq!(status, 200);
-        let done = sample(&text, "dlu_key_changes_published_total") == Some(1.0)
-            && sample(&text, "dlu_stale_users") == Some(0.0)
-            && sample(&text, "dlu_outbox_backlog") == Some(0.0);
+        let done = common::metric_sample(&text, "dlu_key_changes_published_total") == Some(1.0)
+            && common::metric_sample(&text, "dlu_stale_users") == Some(0.0)
+            && common::metric_sample(&text, "dlu_outbox_backlog") == Some(0.0);
         done.then_some(text)
     })
     .await;
@@ -69,7 +62,7 @@ async fn metrics_follow_the_work(backend: Backend) {
         ("dlu_outbound_refused_total", 0.0),
     ];
     for (name, value) in expect {
-        assert_eq!(sample(&text, name), Some(value), "{name} in\n{text}");
+        assert_eq!(common::metric_sample(&text, name), Some(value), "{name} in\n{text}");
     }
     running.stop(Duration::from_secs(10)).await;
 }

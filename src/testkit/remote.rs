@@ -1,7 +1,8 @@
 //! A mock fleet of remote homeservers for tests and benchmarks: one HTTP
 //! listener that plays any number of servers. Every request must carry a
-//! valid X-Matrix signature from our server for the server it is addressed
-//! to; requests that fail the check get 401 and are counted.
+//! valid X-Matrix signature from our server over the path as sent, and its
+//! `destination` must be the server of the user asked for; requests that
+//! fail the check get 401 and are counted.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -42,6 +43,8 @@ struct Fleet {
     bad_signatures: usize,
     /// When each request per user arrived.
     times: HashMap<String, Vec<std::time::Instant>>,
+    /// The raw (percent-encoded) path of every signed request, in order.
+    paths: Vec<String>,
 }
 
 /// The fleet's shared state and settings.
@@ -149,6 +152,12 @@ impl MockFederation {
         self.lock().times.get(user).cloned().unwrap_or_default()
     }
 
+    /// The raw path of every request that passed the signature check, as
+    /// it arrived (percent-encoding untouched).
+    pub fn raw_paths(&self) -> Vec<String> {
+        self.lock().paths.clone()
+    }
+
     /// All requests that passed the signature check.
     pub fn total_requests(&self) -> usize {
         self.lock().requests.values().sum()
@@ -208,7 +217,11 @@ async fn devices(
     uri: Uri,
     headers: HeaderMap,
 ) -> Response {
-    let Some(destination) = verify(&shared, &method, &uri, &headers) else {
+    // The destination signed for must be the server of the user asked for.
+    let user_server = user_id.split_once(':').map(|(_, server)| server.to_owned());
+    let verified = verify(&shared, &method, &uri, &headers)
+        .filter(|destination| Some(destination) == user_server.as_ref());
+    let Some(destination) = verified else {
         if let Ok(mut fleet) = shared.fleet.lock() {
             fleet.bad_signatures += 1;
         }
@@ -220,6 +233,7 @@ async fn devices(
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         *fleet.requests.entry(user_id.clone()).or_default() += 1;
+        fleet.paths.push(uri.path().to_owned());
         fleet
             .times
             .entry(user_id.clone())

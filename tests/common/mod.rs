@@ -11,6 +11,8 @@ use async_nats::jetstream::{self, consumer};
 use device_list_updater::config::{Config, InputSubjects};
 use device_list_updater::signing_key::SigningKey;
 
+pub mod fetch_env;
+
 /// Our homeserver in tests.
 pub const OUR_SERVER: &str = "our.example";
 
@@ -253,6 +255,14 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .map(|(_, body)| body.to_owned())
         .unwrap_or_default();
     (status, body)
+}
+
+/// The value of the sample `name` (with its labels, as exported) in a
+/// Prometheus text exposition.
+pub fn metric_sample(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 /// The binary under test.
