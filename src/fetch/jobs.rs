@@ -328,6 +328,10 @@ impl Fetcher {
                     continue;
                 };
                 tracing::info!(user = %due.user, reason = %failure.reason, "fetch failed");
+                // Shown by the resync RPC and `admin stale`, whoever is to blame.
+                if let Err(e) = self.store.note_fetch_error(&due.user, &failure.reason).await {
+                    tracing::debug!(error = %e, "cannot record the fetch error");
+                }
                 match blame(failure.kind) {
                     Blame::Server => return self.server_failed(server, failures, failure).await,
                     Blame::User => self.user_failed(&due, &failure).await,
