@@ -83,11 +83,9 @@ impl BadAnswer {
         match self {
             BadAnswer::NotFound => Reply::Status(404, json!({"errcode": "M_NOT_FOUND"}), None),
             BadAnswer::Oversized => Reply::Raw(vec![b' '; 11 * 1024 * 1024]),
-            BadAnswer::WrongUser => Reply::Json(device_list(
-                "@mallory:remote.example",
-                7,
-                &[("D", "Phone")],
-            )),
+            BadAnswer::WrongUser => {
+                Reply::Json(device_list("@mallory:remote.example", 7, &[("D", "Phone")]))
+            }
         }
     }
 }
@@ -185,9 +183,18 @@ async fn asked_waits_are_floors(backend: Backend) {
             Duration::from_secs(2),
         ),
         // No wait asked: DLU_RETRY_MIN.
-        ("@d:four.example", unavailable(), Duration::from_millis(1200)),
+        (
+            "@d:four.example",
+            unavailable(),
+            Duration::from_millis(1200),
+        ),
     ];
-    let servers = ["one.example", "two.example", "three.example", "four.example"];
+    let servers = [
+        "one.example",
+        "two.example",
+        "three.example",
+        "four.example",
+    ];
     let env = Env::start(backend, &servers, Duration::ZERO, |c| {
         c.retry_min = Duration::from_millis(1200);
         c.retry_max = Duration::from_secs(30);
@@ -200,7 +207,10 @@ async fn asked_waits_are_floors(backend: Backend) {
     for (user, _, floor) in &cases {
         env.wait_fresh(user, 2).await;
         let gaps = gaps(&env, user);
-        assert!(gaps[0] >= *floor, "{user}: retried after {gaps:?}, asked {floor:?}");
+        assert!(
+            gaps[0] >= *floor,
+            "{user}: retried after {gaps:?}, asked {floor:?}"
+        );
     }
 }
 both_backends!(asked_waits, asked_waits_are_floors);

@@ -62,7 +62,11 @@ async fn metrics_follow_the_work(backend: Backend) {
         ("dlu_outbound_refused_total", 0.0),
     ];
     for (name, value) in expect {
-        assert_eq!(common::metric_sample(&text, name), Some(value), "{name} in\n{text}");
+        assert_eq!(
+            common::metric_sample(&text, name),
+            Some(value),
+            "{name} in\n{text}"
+        );
     }
     running.stop(Duration::from_secs(10)).await;
 }

@@ -191,17 +191,29 @@ async fn assert_matches(running: &Running, truth: &Value, names_over_federation:
         let want = &truth[user.as_str()];
         let have: &UserView = &stored[user];
         assert!(!have.stale, "{user} still stale");
-        let want_devices: Vec<&String> = want["devices"].as_object().expect("devices").keys().collect();
+        let want_devices: Vec<&String> = want["devices"]
+            .as_object()
+            .expect("devices")
+            .keys()
+            .collect();
         let have_devices: Vec<&String> = have.devices.keys().collect();
         assert_eq!(have_devices, want_devices, "{user}: devices");
         for (device, view) in &have.devices {
-            let keys: Value = serde_json::from_str(view.keys.as_deref().expect("keys")).expect("JSON");
-            assert_eq!(keys["keys"], want["devices"][device]["keys"], "{user} {device}: keys");
+            let keys: Value =
+                serde_json::from_str(view.keys.as_deref().expect("keys")).expect("JSON");
+            assert_eq!(
+                keys["keys"], want["devices"][device]["keys"],
+                "{user} {device}: keys"
+            );
             assert_eq!(keys["user_id"], user.as_str());
             assert_eq!(keys["device_id"], device.as_str());
             let name = want["devices"][device]["display_name"].as_str();
             let expected = if names_over_federation { name } else { None };
-            assert_eq!(view.display_name.as_deref(), expected, "{user} {device}: name");
+            assert_eq!(
+                view.display_name.as_deref(),
+                expected,
+                "{user} {device}: name"
+            );
         }
         for (usage, have) in [
             ("master_key", &have.master_key),
@@ -241,7 +253,11 @@ async fn synapse_lists(backend: Backend, names_over_federation: bool) {
         running.store.stale_state(alice).await.ok()??.1
     })
     .await;
-    assert!(error.contains("401"), "{error}; synapse log:\n{}", synapse.log());
+    assert!(
+        error.contains("401"),
+        "{error}; synapse log:\n{}",
+        synapse.log()
+    );
     assert!(synapse.key_requests() >= 1, "Synapse never fetched our key");
     running.stop(Duration::from_secs(10)).await;
 
@@ -259,7 +275,10 @@ async fn synapse_lists(backend: Backend, names_over_federation: bool) {
     // key-less ones are never listed); carol: one device.
     let first = common::wait_stream(&js, "KEY_CHANGE", 5).await;
     assert_eq!(
-        first.iter().filter(|e| e.subject == "key_change.cross_signing").count(),
+        first
+            .iter()
+            .filter(|e| e.subject == "key_change.cross_signing")
+            .count(),
         1
     );
 
@@ -278,7 +297,11 @@ async fn synapse_lists(backend: Backend, names_over_federation: bool) {
     let all = common::wait_stream(&js, "KEY_CHANGE", 5 + changes).await;
     let later: Vec<&Value> = all[5..].iter().map(|e| &e.json).collect();
     let of = |device: &str| later.iter().find(|e| e["device_id"] == device).copied();
-    assert_eq!(of("ALICELAPTOP").expect("deletion")["deleted"], true, "{later:?}");
+    assert_eq!(
+        of("ALICELAPTOP").expect("deletion")["deleted"],
+        true,
+        "{later:?}"
+    );
     let tablet = of("ALICETABLET").expect("addition");
     assert_eq!(tablet["deleted"], false, "{later:?}");
     assert_eq!(
@@ -287,7 +310,10 @@ async fn synapse_lists(backend: Backend, names_over_federation: bool) {
     );
     match of("ALICEPHONE") {
         Some(rename) => {
-            assert!(names_over_federation, "a rename Synapse does not send: {later:?}");
+            assert!(
+                names_over_federation,
+                "a rename Synapse does not send: {later:?}"
+            );
             assert_eq!(rename["display_name"], "Alice's new phone");
         }
         None => assert!(!names_over_federation, "no rename event: {later:?}"),

@@ -236,7 +236,9 @@ impl FederationClient {
             .header(reqwest::header::AUTHORIZATION, authorization)
             .send()
             .await
-            .map_err(|e| FetchFailure::unreachable(format!("{destination}: {}", error_chain(&e))))?;
+            .map_err(|e| {
+                FetchFailure::unreachable(format!("{destination}: {}", error_chain(&e)))
+            })?;
         let status = response.status();
         tracing::Span::current().record("status", status.as_u16());
         let retry_after = retry_after_header(response.headers());
@@ -268,10 +270,7 @@ impl FederationClient {
         user: &UserId,
     ) -> Result<(reqwest::Url, reqwest::header::HeaderValue), FetchFailure> {
         let local = |e: &dyn std::fmt::Display| {
-            FetchFailure::new(
-                FailureKind::Local,
-                format!("cannot build the request: {e}"),
-            )
+            FetchFailure::new(FailureKind::Local, format!("cannot build the request: {e}"))
         };
         let url = reqwest::Url::parse(&format!("{}{}", target.base_url, devices_path(user)))
             .map_err(|e| local(&e))?;
@@ -519,7 +518,9 @@ mod tests {
     #[test]
     fn status_table() {
         let s = name("r.example");
-        let table: [(u16, &[u8], Option<u64>, Option<u64>); 6] = [
+        /// (status, body, Retry-After s, asked ms)
+        type Row = (u16, &'static [u8], Option<u64>, Option<u64>);
+        let table: [Row; 6] = [
             // (status, body, Retry-After s, asked ms)
             (
                 429,

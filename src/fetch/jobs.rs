@@ -329,7 +329,11 @@ impl Fetcher {
                 };
                 tracing::info!(user = %due.user, reason = %failure.reason, "fetch failed");
                 // Shown by the resync RPC and `admin stale`, whoever is to blame.
-                if let Err(e) = self.store.note_fetch_error(&due.user, &failure.reason).await {
+                if let Err(e) = self
+                    .store
+                    .note_fetch_error(&due.user, &failure.reason)
+                    .await
+                {
                     tracing::debug!(error = %e, "cannot record the fetch error");
                 }
                 match blame(failure.kind) {
@@ -439,10 +443,15 @@ impl Fetcher {
                 list,
             })
             .await
-            .map_err(|e| FetchFailure::new(FailureKind::Local, format!("cannot store the list: {e}")))?
+            .map_err(|e| {
+                FetchFailure::new(FailureKind::Local, format!("cannot store the list: {e}"))
+            })?
             .map_err(|refusal| {
                 self.metrics.fetch(server, "user_mismatch", seconds);
-                FetchFailure::new(FailureKind::WrongUser, format!("answer refused: {refusal:?}"))
+                FetchFailure::new(
+                    FailureKind::WrongUser,
+                    format!("answer refused: {refusal:?}"),
+                )
             })?;
         self.metrics.fetch(
             server,

@@ -251,11 +251,18 @@ mod tests {
             max: Duration::from_secs(30),
         };
         for failures in 1..10 {
-            for asked in [None, Some(Duration::from_millis(1500)), Some(Duration::from_secs(2))] {
+            for asked in [
+                None,
+                Some(Duration::from_millis(1500)),
+                Some(Duration::from_secs(2)),
+            ] {
                 for unit in [0.0, 0.3, 0.99, 1.0] {
                     let floor = policy.floor(failures, asked);
                     let wait = policy.wait(failures, asked, unit);
-                    assert!(wait >= floor, "{failures} {asked:?} {unit}: {wait:?} < {floor:?}");
+                    assert!(
+                        wait >= floor,
+                        "{failures} {asked:?} {unit}: {wait:?} < {floor:?}"
+                    );
                     assert!(wait >= asked.unwrap_or_default());
                     assert!(wait >= policy.min);
                     assert!(wait <= policy.max);

@@ -151,8 +151,13 @@ impl Env {
 }
 
 /// An update of `device` with keys, chained on `prev`.
-pub fn update(user: &str, device: &str, stream_id: i64, prev: &[i64], name: &str) -> serde_json::Value {
+pub fn update(
+    user: &str,
+    device: &str,
+    stream_id: i64,
+    prev: &[i64],
+    name: &str,
+) -> serde_json::Value {
     json!({"user_id": user, "device_id": device, "stream_id": stream_id, "prev_id": prev,
            "device_display_name": name, "keys": device_keys(user, device)})
 }
-
