@@ -164,7 +164,8 @@ async fn unusable_answers_are_retried(backend: Backend) {
 }
 both_backends!(unusable_answers, unusable_answers_are_retried);
 
-/// 500, 500, then success: the waits grow (min 200 ms, doubling, ±10%).
+/// 500, 500, then success: the waits grow from DLU_RETRY_MIN (300 ms), doubling;
+/// the spread never shortens them.
 async fn server_errors_back_off(backend: Backend) {
     let env = Env::start(backend, &[REMOTE], Duration::ZERO, |c| {
         c.retry_min = Duration::from_millis(300);
@@ -185,8 +186,8 @@ async fn server_errors_back_off(backend: Backend) {
     let times = env.fleet.request_times(ALICE);
     let first_wait = times[1] - times[0];
     let second_wait = times[2] - times[1];
-    assert!(first_wait >= Duration::from_millis(270), "{first_wait:?}");
-    assert!(second_wait >= Duration::from_millis(540), "{second_wait:?}");
+    assert!(first_wait >= Duration::from_millis(300), "{first_wait:?}");
+    assert!(second_wait >= Duration::from_millis(600), "{second_wait:?}");
 }
 both_backends!(server_errors, server_errors_back_off);
 
@@ -209,9 +210,9 @@ async fn rate_limit_is_honoured(backend: Backend) {
     env.resync(ALICE).await;
     env.wait_fresh(ALICE, 2).await;
     let times = env.fleet.request_times(ALICE);
-    // ±10% spread on top of the asked wait
+    // The asked wait is a floor: the spread only lengthens it.
     assert!(
-        times[1] - times[0] >= Duration::from_millis(1350),
+        times[1] - times[0] >= Duration::from_millis(1500),
         "{:?}",
         times[1] - times[0]
     );

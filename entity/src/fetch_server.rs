@@ -15,6 +15,9 @@ pub struct Model {
     pub failures: i32,
     /// When the server's job runs again (Unix milliseconds; 0: not waiting).
     pub next_attempt_ms: i64,
+    /// When the server last failed (Unix ms): only what is heard from it
+    /// after that shows it is up again.
+    pub failed_at_ms: i64,
     /// When an update from the server last ended its back-off (Unix ms).
     pub last_wake_ms: i64,
     /// Why the server's last request failed.

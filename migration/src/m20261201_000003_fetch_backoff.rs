@@ -38,6 +38,7 @@ impl MigrationTrait for Migration {
                     .col(text("server_name").primary_key())
                     .col(integer("failures").default(0))
                     .col(big_integer("next_attempt_ms").default(0))
+                    .col(big_integer("failed_at_ms").default(0))
                     .col(big_integer("last_wake_ms").default(0))
                     .col(text_null("last_error"))
                     .to_owned(),

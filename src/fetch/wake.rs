@@ -49,14 +49,17 @@ impl Wake {
 
 /// Whether the job of a server in state `wait` is started now (pure).
 ///
-/// `heard`: an update or signing-key update from the server itself arrived.
+/// `heard_at_ms`: when an update or signing-key update from the server
+/// itself was last committed (None: nothing heard from it). Only what was
+/// heard after its last failure shows it is up: the update that made a user
+/// stale does not end the back-off its own fetch began.
 /// `due_user`: the server has a stale user whose own wait is over (only
 /// asked when the job is parked rather than backing off).
 pub fn wake_reason(
     wait: &ServerWait,
     now_ms: i64,
     min_gap: Duration,
-    heard: bool,
+    heard_at_ms: Option<i64>,
     due_user: bool,
 ) -> Option<Wake> {
     if wait.next_attempt_ms <= now_ms {
@@ -66,6 +69,7 @@ pub fn wake_reason(
     if wait.failures > 0 {
         let gap = i64::try_from(min_gap.as_millis()).unwrap_or(i64::MAX);
         let rested = now_ms.saturating_sub(wait.last_wake_ms) >= gap;
+        let heard = heard_at_ms.is_some_and(|at| at > wait.failed_at_ms);
         return (heard && rested).then_some(Wake::BackOffEnded);
     }
     due_user.then_some(Wake::UserDue)
@@ -81,8 +85,8 @@ pub struct Wakeups {
 
 #[derive(Default)]
 struct Inner {
-    /// Server → whether the server itself was heard from.
-    pending: Mutex<BTreeMap<OwnedServerName, bool>>,
+    /// Server → when the server itself was last heard from (Unix ms).
+    pending: Mutex<BTreeMap<OwnedServerName, Option<i64>>>,
     notify: Notify,
 }
 
@@ -100,12 +104,14 @@ impl Wakeups {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let entry = pending.entry(server.to_owned()).or_default();
-        *entry |= heard;
+        if heard {
+            *entry = Some(now_ms());
+        }
         drop(pending);
         self.inner.notify.notify_one();
     }
 
-    fn take(&self) -> BTreeMap<OwnedServerName, bool> {
+    fn take(&self) -> BTreeMap<OwnedServerName, Option<i64>> {
         std::mem::take(
             &mut *self
                 .inner
@@ -143,8 +149,14 @@ impl Wakeups {
                 Err(e) => {
                     // Put them back for the next round.
                     tracing::warn!(error = %e, "wake-up check failed; retrying");
-                    for (server, heard) in noted {
-                        self.note(&server, heard);
+                    let mut pending = self
+                        .inner
+                        .pending
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    for (server, heard_at) in noted {
+                        let entry = pending.entry(server).or_default();
+                        *entry = (*entry).max(heard_at);
                     }
                 }
             }
@@ -156,12 +168,12 @@ impl Wakeups {
     }
 }
 
-/// One check of `noted` servers (→ heard from itself): ends the waits that
+/// One check of `noted` servers (→ when heard from itself): ends the waits that
 /// [`wake_reason`] allows and replaces their jobs. Returns the woken ones.
 pub async fn wake_round(
     store: &Store,
     js: &Context,
-    noted: &BTreeMap<OwnedServerName, bool>,
+    noted: &BTreeMap<OwnedServerName, Option<i64>>,
     min_gap: Duration,
 ) -> Result<Vec<(OwnedServerName, Wake)>, String> {
     let now = now_ms();
@@ -175,7 +187,7 @@ pub async fn wake_round(
         let Ok(server) = OwnedServerName::try_from(wait.server_name.as_str()) else {
             continue;
         };
-        let heard = noted.get(&server).copied().unwrap_or(false);
+        let heard = noted.get(&server).copied().flatten();
         let due_user = wait.failures == 0
             && store
                 .has_due_user(&server, now)
@@ -206,11 +218,15 @@ mod tests {
     const MIN_GAP: Duration = Duration::from_secs(60);
     const NOW: i64 = 1_000_000;
 
+    /// When the server failed in the table below.
+    const FAILED: i64 = NOW - 1_000;
+
     fn wait(failures: i32, next_attempt_ms: i64, last_wake_ms: i64) -> ServerWait {
         ServerWait {
             server_name: "remote.example".into(),
             failures,
             next_attempt_ms,
+            failed_at_ms: if failures > 0 { FAILED } else { 0 },
             last_wake_ms,
             last_error: None,
         }
@@ -220,29 +236,32 @@ mod tests {
     fn wake_table() {
         use Wake::{BackOffEnded, UserDue};
         let later = NOW + 40_000;
+        let (yes, no, before) = (Some(NOW - 10), None, Some(FAILED - 1));
         let table = [
             // (failures, next attempt, last wake, heard, due user, expected)
             // In back-off: an update from the server ends it.
-            (3, later, 0, true, false, Some(BackOffEnded)),
-            (3, later, 0, true, true, Some(BackOffEnded)),
+            (3, later, 0, yes, false, Some(BackOffEnded)),
+            (3, later, 0, yes, true, Some(BackOffEnded)),
+            // Heard before the failure: not a sign that it is up.
+            (3, later, 0, before, true, None),
             // A resync (not from the server) does not.
-            (3, later, 0, false, true, None),
+            (3, later, 0, no, true, None),
             // At most one wake per DLU_RETRY_MIN.
-            (3, later, NOW - 59_999, true, false, None),
-            (3, later, NOW - 60_000, true, false, Some(BackOffEnded)),
+            (3, later, NOW - 59_999, yes, false, None),
+            (3, later, NOW - 60_000, yes, false, Some(BackOffEnded)),
             // Not waiting (running, or the wait is over): nothing to do.
-            (3, NOW, 0, true, true, None),
-            (0, 0, 0, true, true, None),
+            (3, NOW, 0, yes, true, None),
+            (0, 0, 0, yes, true, None),
             // Parked for users' own waits: a due user starts it.
-            (0, later, 0, false, true, Some(UserDue)),
-            (0, later, NOW, true, true, Some(UserDue)),
-            (0, later, 0, true, false, None),
+            (0, later, 0, no, true, Some(UserDue)),
+            (0, later, NOW, yes, true, Some(UserDue)),
+            (0, later, 0, yes, false, None),
         ];
         for (failures, next, last_wake, heard, due, expected) in table {
             assert_eq!(
                 wake_reason(&wait(failures, next, last_wake), NOW, MIN_GAP, heard, due),
                 expected,
-                "failures {failures}, next {next}, last wake {last_wake}, heard {heard}, due {due}"
+                "failures {failures}, next {next}, last wake {last_wake}, heard {heard:?}, due {due}"
             );
         }
     }
@@ -258,8 +277,8 @@ mod tests {
         wakeups.note(b, false);
         let taken = wakeups.take();
         assert_eq!(taken.len(), 2);
-        assert_eq!(taken.get(a), Some(&true));
-        assert_eq!(taken.get(b), Some(&false));
+        assert!(taken.get(a).is_some_and(|at| at.is_some()));
+        assert_eq!(taken.get(b), Some(&None));
         assert!(wakeups.take().is_empty());
     }
 }

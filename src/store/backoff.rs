@@ -146,10 +146,12 @@ impl Store {
         error: Option<&str>,
     ) -> Result<(), DbErr> {
         let failures = i32::try_from(failures).unwrap_or(i32::MAX);
+        let failed_at = if failures > 0 { super::now_ms() } else { 0 };
         fetch_server::Entity::insert(fetch_server::ActiveModel {
             server_name: Set(server.as_str().to_owned()),
             failures: Set(failures),
             next_attempt_ms: Set(next_attempt_ms),
+            failed_at_ms: Set(failed_at),
             last_wake_ms: Set(0),
             last_error: Set(error.map(str::to_owned)),
         })
@@ -158,6 +160,7 @@ impl Store {
                 .update_columns([
                     fetch_server::Column::Failures,
                     fetch_server::Column::NextAttemptMs,
+                    fetch_server::Column::FailedAtMs,
                     fetch_server::Column::LastError,
                 ])
                 .to_owned(),
