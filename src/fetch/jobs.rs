@@ -179,6 +179,10 @@ impl Fetcher {
             }
         };
         let server = &job.server_name;
+        // Progress acks from the start: the database reads below can take a
+        // while under load, and an expired ack wait would hand the job to a
+        // second replica while this one still runs it.
+        let _keep_alive = KeepAlive(keep_alive(&message, self.ack_wait / 3));
         // The server's wait as stored is the truth: a job that arrives early
         // (the rescan recreated a lost queue) waits out the rest.
         let wait = match self.store.server_wait(server).await {
@@ -209,7 +213,6 @@ impl Fetcher {
             }
         }
         let end = {
-            let keep_alive = keep_alive(&message, self.ack_wait / 3);
             self.metrics.fetches_in_flight(1);
             let span = tracing::info_span!("fetch_job", server = %server, failures);
             let end = self
@@ -217,7 +220,6 @@ impl Fetcher {
                 .instrument(span)
                 .await;
             self.metrics.fetches_in_flight(-1);
-            keep_alive.abort();
             end
         };
         match end {
@@ -484,6 +486,15 @@ fn failure_label(failure: &FetchFailure) -> &'static str {
         (FailureKind::WrongUser, _) => "user_mismatch",
         (_, Blame::User) => "unusable_answer",
         (_, Blame::Local) => "local_error",
+    }
+}
+
+/// Stops the progress acks of a job when dropped, on every way out.
+struct KeepAlive(tokio::task::AbortHandle);
+
+impl Drop for KeepAlive {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
