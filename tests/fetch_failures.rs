@@ -91,12 +91,13 @@ impl BadAnswer {
 }
 
 /// A server with one user whose answers are unusable and four good users:
-/// the four are fresh within seconds; the bad one stays stale and is asked
-/// again no sooner than `DLU_RETRY_MIN`, then no sooner than twice that.
+/// the four are fresh while the bad one waits out its first back-off; the
+/// bad one stays stale and is asked again no sooner than `DLU_RETRY_MIN`,
+/// then no sooner than twice that.
 async fn one_bad_user_blocks_nobody(backend: Backend, bad: BadAnswer) {
     let env = Env::start(backend, &[SERVER], Duration::ZERO, |c| {
-        c.retry_min = Duration::from_secs(1);
-        c.retry_max = Duration::from_secs(30);
+        c.retry_min = Duration::from_secs(3);
+        c.retry_max = Duration::from_secs(60);
     })
     .await;
     env.fleet.script(BAD, vec![bad.reply()]);
@@ -110,34 +111,40 @@ async fn one_bad_user_blocks_nobody(backend: Backend, bad: BadAnswer) {
         (env.fleet.requests(BAD) >= 1).then_some(())
     })
     .await;
-    let marked = Instant::now();
     for user in &good {
         env.resync(user).await;
     }
     for user in &good {
         env.wait_fresh(user, 1).await;
     }
-    let fresh_after = marked.elapsed();
-    assert!(
-        fresh_after < Duration::from_secs(5),
-        "good users fresh after {fresh_after:?}"
+    // All of them before the bad user's own wait was over.
+    assert_eq!(
+        env.fleet.requests(BAD),
+        1,
+        "the good users waited for the bad one"
     );
     common::eventually(
-        Duration::from_secs(20),
+        Duration::from_secs(40),
         "the bad user asked three times",
         || async { (env.fleet.requests(BAD) >= 3).then_some(()) },
     )
     .await;
     let gaps = gaps(&env, BAD);
-    assert!(gaps[0] >= Duration::from_secs(1), "first wait {gaps:?}");
-    assert!(gaps[1] >= Duration::from_secs(2), "second wait {gaps:?}");
-    assert!(env.is_stale(BAD).await);
-    let row = stale_user::Entity::find_by_id(BAD.to_owned())
-        .one(env.db())
-        .await
-        .expect("query")
-        .expect("still stale");
-    assert!(row.failures >= 2, "{row:?}");
+    assert!(gaps[0] >= Duration::from_secs(3), "first wait {gaps:?}");
+    assert!(gaps[1] >= Duration::from_secs(6), "second wait {gaps:?}");
+    // The third failure recorded (the request is answered before that).
+    let row = common::eventually(
+        Duration::from_secs(10),
+        "three failures recorded",
+        || async {
+            stale_user::Entity::find_by_id(BAD.to_owned())
+                .one(env.db())
+                .await
+                .expect("query")
+                .filter(|row| row.failures >= 3)
+        },
+    )
+    .await;
     assert!(row.last_error.is_some(), "{row:?}");
     // The server itself is fine; only the user backs off.
     assert!(server_wait(&env).await.is_none_or(|w| w.failures == 0));
@@ -250,8 +257,9 @@ async fn update_ends_back_off(backend: Backend, replicas: usize) {
     for user in users.iter().chain([&carol]) {
         env.wait_fresh(user, 1).await;
     }
+    // Well before the 40 s back-off would have ended by itself.
     let took = sent.elapsed();
-    assert!(took < Duration::from_secs(10), "fresh after {took:?}");
+    assert!(took < Duration::from_secs(40), "fresh after {took:?}");
     assert_eq!(env.fleet.max_in_flight(SERVER), 1);
     assert_eq!(env.fleet.bad_signatures(), 0);
     for other in others {

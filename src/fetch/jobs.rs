@@ -498,13 +498,17 @@ impl Drop for KeepAlive {
     }
 }
 
-/// Sends progress acks every `every` so a job survives slow servers; abort
-/// it when done.
+/// Sends progress acks, one at once and then every `every`, so a job
+/// survives slow servers; abort it when done.
 fn keep_alive(message: &Message, every: Duration) -> tokio::task::AbortHandle {
     let message = message.clone();
     tokio::spawn(async move {
+        // The first at once: the ack wait began when the server delivered
+        // the job, which may have waited in the pull's buffer meanwhile.
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tokio::time::sleep(every).await;
+            tick.tick().await;
             if message.ack_with(AckKind::Progress).await.is_err() {
                 return;
             }
