@@ -224,13 +224,13 @@ impl Ingest {
         }
         // Input about a server's users may end its fetch job's wait (SPEC
         // §5.2): checked in the background, after the stale marks committed.
-        for (_, message) in &accepted {
+        self.wakeups.note_all(accepted.iter().map(|(_, message)| {
             let heard = matches!(
                 message,
                 InputMessage::Update(_) | InputMessage::SigningKey(_)
             );
-            self.wakeups.note(message.user_id().server_name(), heard);
-        }
+            (message.user_id().server_name(), heard)
+        }));
         let origin = oldest_publish_time(items.iter().map(|i| &i.message));
         for applied in &applied {
             for outcome in &applied.plan.outcomes {

@@ -330,7 +330,14 @@ impl Fetcher {
                     continue;
                 };
                 tracing::info!(user = %due.user, reason = %failure.reason, "fetch failed");
-                // Shown by the resync RPC and `admin stale`, whoever is to blame.
+                let charged = blame(failure.kind);
+                if charged == Blame::User {
+                    // Its back-off and `last_error` in one write.
+                    self.user_failed(&due, &failure).await;
+                    done.insert(due.user);
+                    continue;
+                }
+                // Shown by the resync RPC and `admin stale`.
                 if let Err(e) = self
                     .store
                     .note_fetch_error(&due.user, &failure.reason)
@@ -338,12 +345,10 @@ impl Fetcher {
                 {
                     tracing::debug!(error = %e, "cannot record the fetch error");
                 }
-                match blame(failure.kind) {
-                    Blame::Server => return self.server_failed(server, failures, failure).await,
-                    Blame::User => self.user_failed(&due, &failure).await,
-                    Blame::Local => return JobEnd::Local,
-                }
-                done.insert(due.user);
+                return match charged {
+                    Blame::Server => self.server_failed(server, failures, failure).await,
+                    Blame::User | Blame::Local => JobEnd::Local,
+                };
             }
         }
     }

@@ -98,14 +98,27 @@ impl Wakeups {
     /// Notes input about users of `server`; `heard`: it came from the
     /// server itself (an update or a signing-key update, not a resync).
     pub fn note(&self, server: &ServerName, heard: bool) {
+        self.note_all([(server, heard)]);
+    }
+
+    /// [`Wakeups::note`] for a whole batch: one lock, one wake of the
+    /// checker, and no allocation for a server noted already (ingest calls
+    /// this for every batch).
+    pub fn note_all<'a>(&self, notes: impl IntoIterator<Item = (&'a ServerName, bool)>) {
+        let now = now_ms();
         let mut pending = self
             .inner
             .pending
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let entry = pending.entry(server.to_owned()).or_default();
-        if heard {
-            *entry = Some(now_ms());
+        for (server, heard) in notes {
+            let heard_at = heard.then_some(now);
+            match pending.get_mut(server) {
+                Some(entry) => *entry = (*entry).max(heard_at),
+                None => {
+                    pending.insert(server.to_owned(), heard_at);
+                }
+            }
         }
         drop(pending);
         self.inner.notify.notify_one();
