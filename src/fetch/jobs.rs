@@ -317,8 +317,10 @@ impl Fetcher {
                     result = self.fetch_user(&due.user, &due.mark) => result,
                     _ = stop.wait_for(|s| *s) => return JobEnd::Interrupted,
                 };
-                let charged = result.as_ref().err().map(|f| blame(f.kind));
-                if backing_off && charged != Some(Blame::Server) && charged != Some(Blame::Local) {
+                let answered = result
+                    .as_ref()
+                    .map_or_else(|f| blame(f.kind) == Blame::User, |()| true);
+                if backing_off && answered {
                     // It answered: the server's back-off is over.
                     backing_off = false;
                     if let Err(e) = self.store.server_answered(server).await {
@@ -392,8 +394,7 @@ impl Fetcher {
         failure: FetchFailure,
     ) -> JobEnd {
         let failures = failures.saturating_add(1);
-        let wait = self.policy.wait(failures, failure.asked, random_unit());
-        let until = now_ms().saturating_add(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX));
+        let (wait, until) = self.next_attempt(failures, failure.asked);
         if let Err(e) = self
             .store
             .set_server_wait(server, failures, until, Some(&failure.reason))
@@ -408,11 +409,18 @@ impl Fetcher {
         }
     }
 
+    /// The wait after the `failures`-th failure in a row (`asked`: what the
+    /// remote asked for), and the Unix ms when it is over.
+    fn next_attempt(&self, failures: u32, asked: Option<Duration>) -> (Duration, i64) {
+        let wait = self.policy.wait(failures, asked, random_unit());
+        let until = now_ms().saturating_add(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX));
+        (wait, until)
+    }
+
     /// One user's answer was unusable: that user alone backs off.
     async fn user_failed(&self, due: &DueUser, failure: &FetchFailure) {
         let failures = due.failures.saturating_add(1);
-        let wait = self.policy.wait(failures, failure.asked, random_unit());
-        let until = now_ms().saturating_add(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX));
+        let (_, until) = self.next_attempt(failures, failure.asked);
         if let Err(e) = self
             .store
             .note_user_failure(&due.user, failures, until, &failure.reason)
