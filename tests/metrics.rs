@@ -38,7 +38,9 @@ async fn metrics_follow_the_work(backend: Backend) {
         assert_eq!(status, 200);
         let done = common::metric_sample(&text, "dlu_key_changes_published_total") == Some(1.0)
             && common::metric_sample(&text, "dlu_stale_users") == Some(0.0)
-            && common::metric_sample(&text, "dlu_outbox_backlog") == Some(0.0);
+            && common::metric_sample(&text, "dlu_outbox_backlog") == Some(0.0)
+            // The job is acked just after the list is stored.
+            && common::metric_sample(&text, "dlu_fetch_jobs_pending") == Some(0.0);
         done.then_some(text)
     })
     .await;
