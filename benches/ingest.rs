@@ -15,13 +15,12 @@
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream};
-use device_list_updater::config::{Config, InputSubjects};
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::config::Config;
 use device_list_updater::testkit::{
     Nats, create_input_stream, create_postgres_database, drop_postgres_database, stream_len,
     wait_for,
 };
-use device_list_updater::worker::{self, Faults};
+use device_list_updater::worker;
 use futures::StreamExt as _;
 use sea_orm::{ActiveValue::Set, EntityTrait};
 
@@ -164,30 +163,16 @@ async fn ingest(nats: &Nats, database_url: &str, n: usize, users: usize) -> (f64
         (0..n).map(|i| update(i % users, 1 + i / users)),
     )
     .await;
-    let config = Config {
-        server_name: "our.example".try_into().expect("name"),
-        signing_key: SigningKey::generate().expect("key"),
-        database_url: database_url.to_owned(),
-        nats_url: nats.url.clone(),
-        http_addr: "127.0.0.1:0".parse().expect("addr"),
-        federation_overrides: Default::default(),
-        federation_timeout: Duration::from_secs(30),
-        retry_min: Duration::from_secs(60),
-        retry_max: Duration::from_secs(3600),
-        startup_spread: Duration::ZERO,
-        max_devices: 1000,
-        input: InputSubjects::default(),
-        batch_size: env_usize("BENCH_BATCH", 1000),
-        startup_timeout: Duration::from_secs(10),
-        lease_ttl: Duration::from_secs(10),
-        max_deliver: 10,
-        ack_wait: Duration::from_secs(60),
-        fetch_concurrency: 64,
-    };
+    let mut config = Config::for_tests("our.example", &nats.url, database_url);
+    // Production timings where they matter to a long run.
+    config.settings.federation_timeout = Duration::from_secs(30);
+    config.settings.retry_min = Duration::from_secs(60);
+    config.settings.retry_max = Duration::from_secs(3600);
+    config.settings.lease_ttl = Duration::from_secs(10);
+    config.settings.ack_wait = Duration::from_secs(60);
+    config.settings.batch_size = env_usize("BENCH_BATCH", 1000);
     let started = Instant::now();
-    let running = worker::start(config, Faults::default())
-        .await
-        .expect("worker");
+    let running = worker::start(config).await.expect("worker");
     wait_for(Duration::from_secs(600), "all key changes", || async {
         (stream_len(&js, "KEY_CHANGE").await >= n as u64).then_some(())
     })

@@ -8,64 +8,55 @@ use async_nats::jetstream;
 use ruma::OwnedUserId;
 use serde_json::{Value, json};
 
-use crate::bus::fetch_jobs;
+use crate::bus::BusError;
+use crate::bus::fetch_jobs::FETCH_CONSUMER;
+use crate::bus::publisher::{OutboxError, Publisher};
 use crate::bus::streams::{
     DEAD_STREAM, FETCH_STREAM, INPUT_CONSUMER, INPUT_STREAM, KEY_CHANGE_STREAM,
 };
-use crate::fetch::jobs::FETCH_CONSUMER;
-use crate::input::{InputMessage, ResyncRequest};
+use crate::faults::Faults;
+use crate::fetch::resync::{self, ResyncError};
+use crate::rpc::QueryReply;
 use crate::store::Store;
+use crate::store::backoff::DueUser;
+
+/// Why an admin command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    /// An argument is not what the command takes.
+    #[error("{0}")]
+    Argument(String),
+    /// The database.
+    #[error("database: {0}")]
+    Database(#[from] sea_orm::DbErr),
+    /// NATS.
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    /// The resync could not be requested.
+    #[error(transparent)]
+    Resync(#[from] ResyncError),
+    /// The outbox could not be published.
+    #[error("outbox: {0}")]
+    Outbox(#[from] OutboxError),
+}
 
 /// What is stored for `users` (the same shape as the query RPC's reply).
-pub async fn user(store: &Store, users: &[String]) -> Result<Value, String> {
-    let views = store.query_users(users).await.map_err(|e| e.to_string())?;
-    let raw = |json: &Option<String>| -> Value {
-        json.as_deref()
-            .and_then(|j| serde_json::from_str(j).ok())
-            .unwrap_or(Value::Null)
-    };
-    let users: serde_json::Map<String, Value> = views
-        .iter()
-        .map(|(user, view)| {
-            let devices: serde_json::Map<String, Value> = view
-                .devices
-                .iter()
-                .map(|(id, d)| {
-                    (
-                        id.clone(),
-                        json!({"display_name": d.display_name, "keys": raw(&d.keys)}),
-                    )
-                })
-                .collect();
-            (
-                user.clone(),
-                json!({"tracked": view.tracked, "stale": view.stale, "stream_id": view.stream_id,
-                       "devices": devices, "master_key": raw(&view.master_key),
-                       "self_signing_key": raw(&view.self_signing_key)}),
-            )
-        })
-        .collect();
-    Ok(json!({"users": users}))
+pub async fn user(store: &Store, users: &[String]) -> Result<Value, AdminError> {
+    let views = store.query_users(users).await?;
+    Ok(serde_json::to_value(QueryReply::new(&views)).unwrap_or_default())
 }
 
 /// Stale users: counts per server, and the users of `server` if given.
-pub async fn stale(store: &Store, server: Option<&str>) -> Result<Value, String> {
-    let counts: BTreeMap<String, i64> = store
-        .stale_counts()
-        .await
-        .map_err(|e| e.to_string())?
-        .into_iter()
-        .collect();
+pub async fn stale(store: &Store, server: Option<&str>) -> Result<Value, AdminError> {
+    let counts: BTreeMap<String, i64> = store.stale_counts().await?.into_iter().collect();
     let mut out = json!({"total": counts.values().sum::<i64>(), "servers": counts});
     if let Some(server) = server {
         let parsed = ruma::OwnedServerName::try_from(server)
-            .map_err(|e| format!("server name {server:?}: {e}"))?;
-        let users = store
-            .stale_users(&parsed, 10_000)
-            .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| AdminError::Argument(format!("server name {server:?}: {e}")))?;
+        // Every stale user, due or still in its own back-off.
+        let users = store.due_stale_users(&parsed, i64::MAX, 10_000).await?;
         let mut listed = Vec::new();
-        for (user, mark) in users {
+        for DueUser { user, mark, .. } in users {
             let error = store
                 .stale_state(&user)
                 .await
@@ -82,27 +73,19 @@ pub async fn stale(store: &Store, server: Option<&str>) -> Result<Value, String>
 
 /// Marks `user` stale and enqueues its server's fetch job; a running worker
 /// fetches it.
-pub async fn resync(store: &Store, js: &jetstream::Context, user: &str) -> Result<Value, String> {
-    let user = OwnedUserId::try_from(user).map_err(|e| format!("user id {user:?}: {e}"))?;
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0);
-    store
-        .apply_batch(
-            &[InputMessage::Resync(ResyncRequest {
-                user_id: user.clone(),
-            })],
-            now_ms,
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-    fetch_jobs::enqueue(js, [&user.server_name().to_owned()]).await?;
+pub async fn resync(
+    store: &Store,
+    js: &jetstream::Context,
+    user: &str,
+) -> Result<Value, AdminError> {
+    let user = OwnedUserId::try_from(user)
+        .map_err(|e| AdminError::Argument(format!("user id {user:?}: {e}")))?;
+    resync::request(store, js, &user).await?;
     Ok(json!({"user_id": user, "marked_stale": true, "job_enqueued": true}))
 }
 
 /// Streams and consumers as JetStream reports them.
-pub async fn streams(js: &jetstream::Context) -> Result<Value, String> {
+pub async fn streams(js: &jetstream::Context) -> Result<Value, AdminError> {
     let mut out = serde_json::Map::new();
     for name in [INPUT_STREAM, KEY_CHANGE_STREAM, DEAD_STREAM, FETCH_STREAM] {
         let mut entry = json!({"exists": false});
@@ -182,13 +165,13 @@ pub fn to_text(value: &Value) -> String {
 
 /// Publishes whatever the outbox holds now (normally the workers do this
 /// themselves; for after an outage, or to check that NATS takes them).
-pub async fn replay_outbox(store: &Store, js: &jetstream::Context) -> Result<Value, String> {
-    let instance_id = store.instance_id().await.map_err(|e| e.to_string())?;
-    let (publisher, _handle) = crate::bus::publisher::Publisher::new(
+pub async fn replay_outbox(store: &Store, js: &jetstream::Context) -> Result<Value, AdminError> {
+    let instance_id = store.instance_id().await?;
+    let (publisher, _handle) = Publisher::new(
         store.clone(),
         js.clone(),
         instance_id,
-        crate::worker::Faults::default(),
+        Faults::default(),
         crate::metrics::Metrics::new(),
     );
     let sent = publisher.sweep_table().await?;

@@ -1,15 +1,31 @@
-//! Configuration (SPEC §3): a TOML file, overridden by `DLU_*` environment
-//! variables, overridden by flags. Every setting has one key name, used as the
-//! TOML key, the flag (`--key-name`) and the variable (`DLU_KEY_NAME`).
+//! Configuration (SPEC §3) as data.
+//!
+//! [`Settings`] is every setting, typed, with every default in one place
+//! ([`Settings::default`]). Sources are layered lowest first: a TOML file,
+//! `DLU_*` environment variables, flags. Each setting has one key: the TOML
+//! key `retry_min`, the variable `DLU_RETRY_MIN`, the flag `--retry-min`. The
+//! list of keys is the struct's own field list (read from its serde
+//! derive), so a new field is a new key everywhere at once.
+//!
+//! Layering is done here rather than with figment: figment's environment
+//! provider guesses types from the text (a value such as `8080` or `0123`
+//! becomes a number and no longer deserialises into a string), and clap
+//! already reads the flags. Every source becomes a TOML table of strings or
+//! values; the merged table is deserialised once, with unknown keys refused
+//! and the failing key named.
+//!
+//! [`Config`] is what `run` needs: the settings plus the two required ones
+//! resolved (our server name, the loaded signing key).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ruma::OwnedServerName;
+use serde::Deserialize;
 
-use crate::input::InputKind;
+use crate::input::{InputKind, InputSubjects};
 use crate::signing_key::{KeyError, SigningKey};
 
 /// A setting that is missing or wrong. Its `Display` is the one line printed
@@ -17,10 +33,16 @@ use crate::signing_key::{KeyError, SigningKey};
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// A required setting is absent.
-    #[error("{0} is required (set DLU_{1} or `{0}` in the config file)")]
-    Missing(&'static str, String),
-    /// A setting does not parse.
-    #[error("{key}: {why}")]
+    #[error(
+        "{key} is required (set {} or `{key}` in the config file)",
+        env_name(key)
+    )]
+    Missing {
+        /// The setting.
+        key: &'static str,
+    },
+    /// A setting does not parse or is out of range.
+    #[error("{key} ({}): {why}", env_name(key))]
     Invalid {
         /// The setting.
         key: String,
@@ -40,145 +62,312 @@ pub enum ConfigError {
     Key(#[from] KeyError),
 }
 
-/// Every setting, as flag/env values (flags win over the environment).
-#[derive(clap::Args, Clone, Debug, Default)]
-pub struct SettingsArgs {
-    /// Our homeserver's name; updates for our own users are ignored.
-    #[arg(long, env = "DLU_SERVER_NAME")]
-    pub server_name: Option<String>,
-    /// ed25519 key file (`ed25519 <version> <base64 seed>`).
-    #[arg(long, env = "DLU_SIGNING_KEY_PATH")]
-    pub signing_key_path: Option<String>,
-    /// `sqlite://…` or `postgres://…`.
-    #[arg(long, env = "DLU_DATABASE_URL")]
-    pub database_url: Option<String>,
-    /// NATS server(s), comma-separated.
-    #[arg(long, env = "DLU_NATS_URL")]
-    pub nats_url: Option<String>,
-    /// Health listener address.
-    #[arg(long, env = "DLU_HTTP_ADDR")]
-    pub http_addr: Option<String>,
-    /// `server=base_url,…`: fixed base URLs for some servers.
-    #[arg(long, env = "DLU_FEDERATION_OVERRIDES")]
-    pub federation_overrides: Option<String>,
-    /// Per federation request.
-    #[arg(long, env = "DLU_FEDERATION_TIMEOUT")]
-    pub federation_timeout: Option<String>,
-    /// First wait after a failed fetch from a server.
-    #[arg(long, env = "DLU_RETRY_MIN")]
-    pub retry_min: Option<String>,
-    /// Cap of the per-server back-off.
-    #[arg(long, env = "DLU_RETRY_MAX")]
-    pub retry_max: Option<String>,
-    /// Stale users found at start-up are resynced over at most this long.
-    #[arg(long, env = "DLU_STARTUP_SPREAD")]
-    pub startup_spread: Option<String>,
-    /// A fetched list with more devices is not stored.
-    #[arg(long, env = "DLU_MAX_DEVICES")]
-    pub max_devices: Option<String>,
-    /// Subject of device-list updates.
-    #[arg(long, env = "DLU_INPUT_UPDATE_SUBJECT")]
-    pub input_update_subject: Option<String>,
-    /// Subject of signing-key updates.
-    #[arg(long, env = "DLU_INPUT_SIGNING_KEY_SUBJECT")]
-    pub input_signing_key_subject: Option<String>,
-    /// Subject of resync requests.
-    #[arg(long, env = "DLU_INPUT_RESYNC_SUBJECT")]
-    pub input_resync_subject: Option<String>,
-    /// Input messages per batch (one transaction each).
-    #[arg(long, env = "DLU_BATCH_SIZE")]
-    pub batch_size: Option<String>,
-    /// How long to wait for NATS and the database at start-up.
-    #[arg(long, env = "DLU_STARTUP_TIMEOUT")]
-    pub startup_timeout: Option<String>,
-    /// How long a crashed replica keeps the input lease before another takes over.
-    #[arg(long, env = "DLU_LEASE_TTL")]
-    pub lease_ttl: Option<String>,
-    /// Deliveries of one input message before it is dead-lettered.
-    #[arg(long, env = "DLU_MAX_DELIVER")]
-    pub max_deliver: Option<String>,
-    /// How long an unacked input message waits before redelivery (crashed replicas).
-    #[arg(long, env = "DLU_ACK_WAIT")]
-    pub ack_wait: Option<String>,
-    /// Remote servers fetched from at once by one replica.
-    #[arg(long, env = "DLU_FETCH_CONCURRENCY")]
-    pub fetch_concurrency: Option<String>,
+/// The environment variable of a setting.
+pub fn env_name(key: &str) -> String {
+    format!("DLU_{}", key.to_uppercase())
 }
+
+/// The flag of a setting.
+fn flag_name(key: &str) -> String {
+    key.replace('_', "-")
+}
+
+/// How log lines are written to stderr.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Every setting (SPEC §3), as deserialised from the merged sources.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    /// Our homeserver's name; updates for our own users are ignored.
+    /// Required by `run`.
+    pub server_name: Option<OwnedServerName>,
+    /// ed25519 key file (`ed25519 <version> <base64 seed>`). Required by `run`.
+    pub signing_key_path: Option<PathBuf>,
+    /// `sqlite://…` or `postgres://…`.
+    pub database_url: String,
+    /// NATS server(s), comma-separated.
+    pub nats_url: String,
+    /// Health and metrics listener.
+    pub http_addr: SocketAddr,
+    /// `server=base_url,…`: fixed base URLs for some servers.
+    #[serde(deserialize_with = "value::overrides")]
+    pub federation_overrides: BTreeMap<OwnedServerName, String>,
+    /// Per federation request.
+    #[serde(deserialize_with = "value::duration")]
+    pub federation_timeout: Duration,
+    /// First wait after a failed fetch (a floor).
+    #[serde(deserialize_with = "value::duration")]
+    pub retry_min: Duration,
+    /// Cap of every back-off.
+    #[serde(deserialize_with = "value::duration")]
+    pub retry_max: Duration,
+    /// Stale users found at start-up are fetched over at most this long.
+    #[serde(deserialize_with = "value::duration")]
+    pub startup_spread: Duration,
+    /// A fetched list with more devices is not stored.
+    #[serde(deserialize_with = "value::number")]
+    pub max_devices: usize,
+    /// Subject of device-list updates.
+    pub input_update_subject: String,
+    /// Subject of signing-key updates.
+    pub input_signing_key_subject: String,
+    /// Subject of resync requests.
+    pub input_resync_subject: String,
+    /// Input messages per pull and per transaction.
+    #[serde(deserialize_with = "value::number")]
+    pub batch_size: usize,
+    /// How long to wait for NATS and the database at start-up.
+    #[serde(deserialize_with = "value::duration")]
+    pub startup_timeout: Duration,
+    /// How long a crashed replica keeps the input lease.
+    #[serde(deserialize_with = "value::duration")]
+    pub lease_ttl: Duration,
+    /// Deliveries of one input message before it is dead-lettered.
+    #[serde(deserialize_with = "value::number")]
+    pub max_deliver: i64,
+    /// Redelivery wait of unacked input and of a dead replica's fetch job.
+    #[serde(deserialize_with = "value::duration")]
+    pub ack_wait: Duration,
+    /// Remote servers one replica fetches from at once.
+    #[serde(deserialize_with = "value::number")]
+    pub fetch_concurrency: usize,
+    /// `text` or `json` log lines on stderr.
+    pub log_format: LogFormat,
+    /// Fault injection for the crash tests; compiled into test builds only.
+    #[cfg(feature = "testkit")]
+    pub fault: Option<crate::faults::Fault>,
+}
+
+/// The one table of defaults.
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            server_name: None,
+            signing_key_path: None,
+            database_url: "sqlite://device-lists.sqlite?mode=rwc".into(),
+            nats_url: "nats://127.0.0.1:4222".into(),
+            http_addr: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            federation_overrides: BTreeMap::new(),
+            federation_timeout: Duration::from_secs(30),
+            retry_min: Duration::from_secs(60),
+            retry_max: Duration::from_secs(3600),
+            startup_spread: Duration::from_secs(120),
+            max_devices: 1000,
+            input_update_subject: InputKind::Update.default_subject().into(),
+            input_signing_key_subject: InputKind::SigningKey.default_subject().into(),
+            input_resync_subject: InputKind::Resync.default_subject().into(),
+            batch_size: 1000,
+            startup_timeout: Duration::from_secs(30),
+            lease_ttl: Duration::from_secs(10),
+            max_deliver: 10,
+            ack_wait: Duration::from_secs(60),
+            fetch_concurrency: 1024,
+            log_format: LogFormat::Text,
+            #[cfg(feature = "testkit")]
+            fault: None,
+        }
+    }
+}
+
+/// Values given as flags, by key (only those given on the command line).
+#[derive(Clone, Debug, Default)]
+pub struct SettingsArgs(Vec<(&'static str, String)>);
 
 impl SettingsArgs {
-    fn pairs(&self) -> [(&'static str, &Option<String>); 20] {
-        [
-            ("server_name", &self.server_name),
-            ("signing_key_path", &self.signing_key_path),
-            ("database_url", &self.database_url),
-            ("nats_url", &self.nats_url),
-            ("http_addr", &self.http_addr),
-            ("federation_overrides", &self.federation_overrides),
-            ("federation_timeout", &self.federation_timeout),
-            ("retry_min", &self.retry_min),
-            ("retry_max", &self.retry_max),
-            ("startup_spread", &self.startup_spread),
-            ("max_devices", &self.max_devices),
-            ("input_update_subject", &self.input_update_subject),
-            ("input_signing_key_subject", &self.input_signing_key_subject),
-            ("input_resync_subject", &self.input_resync_subject),
-            ("batch_size", &self.batch_size),
-            ("startup_timeout", &self.startup_timeout),
-            ("lease_ttl", &self.lease_ttl),
-            ("max_deliver", &self.max_deliver),
-            ("ack_wait", &self.ack_wait),
-            ("fetch_concurrency", &self.fetch_concurrency),
-        ]
+    /// Flags as if given on the command line (for tests).
+    pub fn from_pairs(pairs: &[(&'static str, &str)]) -> SettingsArgs {
+        SettingsArgs(pairs.iter().map(|(k, v)| (*k, (*v).to_owned())).collect())
     }
 }
 
-/// The input subjects and which kind of message each carries.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct InputSubjects {
-    /// `devicelist.in.update` by default.
-    pub update: String,
-    /// `devicelist.in.signing_key` by default.
-    pub signing_key: String,
-    /// `devicelist.in.resync` by default.
-    pub resync: String,
+impl clap::Args for SettingsArgs {
+    fn augment_args(command: clap::Command) -> clap::Command {
+        Settings::keys().iter().fold(command, |command, &key| {
+            command.arg(
+                clap::Arg::new(key)
+                    .long(flag_name(key))
+                    .value_name("VALUE")
+                    .help(format!("{} [env: {}]", describe(key), env_name(key))),
+            )
+        })
+    }
+
+    fn augment_args_for_update(command: clap::Command) -> clap::Command {
+        Self::augment_args(command)
+    }
 }
 
-impl Default for InputSubjects {
-    fn default() -> Self {
-        InputSubjects {
-            update: "devicelist.in.update".into(),
-            signing_key: "devicelist.in.signing_key".into(),
-            resync: "devicelist.in.resync".into(),
+impl clap::FromArgMatches for SettingsArgs {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let given = Settings::keys()
+            .iter()
+            .filter_map(|&key| Some((key, matches.get_one::<String>(key)?.clone())))
+            .collect();
+        Ok(SettingsArgs(given))
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
+/// One line of `--help` per setting; `docs/configuration.md` has the rest.
+/// A unit test checks that every key has one.
+fn describe(key: &str) -> &'static str {
+    match key {
+        "server_name" => "our homeserver's name (required by run)",
+        "signing_key_path" => "ed25519 signing key file (required by run)",
+        "database_url" => "sqlite://… or postgres://…",
+        "nats_url" => "NATS server(s), comma-separated",
+        "http_addr" => "health and metrics listener",
+        "federation_overrides" => "server=base_url,…: fixed base URLs",
+        "federation_timeout" => "per federation request",
+        "retry_min" => "first wait after a failed fetch",
+        "retry_max" => "cap of every back-off",
+        "startup_spread" => "spread of the start-up rescan",
+        "max_devices" => "fetched lists with more devices are not stored",
+        "input_update_subject" => "subject of device-list updates",
+        "input_signing_key_subject" => "subject of signing-key updates",
+        "input_resync_subject" => "subject of resync requests",
+        "batch_size" => "input messages per batch (one transaction each)",
+        "startup_timeout" => "wait for NATS and the database at start-up",
+        "lease_ttl" => "input lease length",
+        "max_deliver" => "deliveries of an input message before it is dead-lettered",
+        "ack_wait" => "redelivery wait of unacked input and fetch jobs",
+        "fetch_concurrency" => "remote servers fetched from at once",
+        "log_format" => "text or json",
+        #[cfg(feature = "testkit")]
+        "fault" => "fault injection (test builds only)",
+        _ => "",
+    }
+}
+
+impl Settings {
+    /// Every key, in declaration order: the struct's own field list.
+    pub fn keys() -> &'static [&'static str] {
+        static KEYS: std::sync::OnceLock<&'static [&'static str]> = std::sync::OnceLock::new();
+        KEYS.get_or_init(value::field_names::<Settings>)
+    }
+
+    /// Layers the file at `path` (if any), the `DLU_*` variables of `env`
+    /// and the flags, then checks the result. Blank values count as unset.
+    pub fn load(
+        path: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        flags: &SettingsArgs,
+    ) -> Result<Settings, ConfigError> {
+        let mut merged = match path {
+            Some(path) => read_file(path)?,
+            None => toml::Table::new(),
+        };
+        let env: BTreeMap<String, String> = env.into_iter().collect();
+        let given = Settings::keys()
+            .iter()
+            .filter_map(|key| Some((*key, env.get(&env_name(key))?.as_str())))
+            .chain(flags.0.iter().map(|(key, value)| (*key, value.as_str())))
+            // Blank counts as unset: a blank variable lets the file's value
+            // (or the default) through.
+            .filter(|(_, value)| !value.trim().is_empty());
+        for (key, value) in given {
+            merged.insert(key.to_owned(), toml::Value::String(value.to_owned()));
         }
+        // Text is trimmed; a blank value left in the file is unset too.
+        let merged: toml::Table = merged
+            .into_iter()
+            .filter_map(|(key, value)| match value {
+                toml::Value::String(s) if s.trim().is_empty() => None,
+                toml::Value::String(s) => Some((key, toml::Value::String(s.trim().to_owned()))),
+                other => Some((key, other)),
+            })
+            .collect();
+        let settings: Settings = serde_path_to_error::deserialize(toml::Value::Table(merged))
+            .map_err(|e| {
+                let key = e.path().to_string();
+                let why = e.into_inner().to_string();
+                if key == "." {
+                    // Not about one key: an unknown one, most likely.
+                    ConfigError::File {
+                        path: path.map_or_else(String::new, |p| p.display().to_string()),
+                        why,
+                    }
+                } else {
+                    ConfigError::Invalid { key, why }
+                }
+            })?;
+        settings.check()?;
+        Ok(settings)
     }
-}
 
-impl InputSubjects {
-    /// The kind of message on `subject`.
-    pub fn kind_of(&self, subject: &str) -> Option<InputKind> {
-        if subject == self.update {
-            Some(InputKind::Update)
-        } else if subject == self.signing_key {
-            Some(InputKind::SigningKey)
-        } else if subject == self.resync {
-            Some(InputKind::Resync)
-        } else {
-            None
+    /// Loads from the process environment (`std::env::vars`).
+    pub fn from_process(
+        path: Option<&Path>,
+        flags: &SettingsArgs,
+    ) -> Result<Settings, ConfigError> {
+        Settings::load(path, std::env::vars(), flags)
+    }
+
+    /// Ranges the types cannot express.
+    fn check(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, why: &str| {
+            Err(ConfigError::Invalid {
+                key: key.into(),
+                why: why.into(),
+            })
+        };
+        if self.retry_max < self.retry_min {
+            return invalid("retry_max", "must not be shorter than retry_min");
         }
+        for (key, value) in [
+            ("batch_size", self.batch_size),
+            ("fetch_concurrency", self.fetch_concurrency),
+        ] {
+            if value == 0 {
+                return invalid(key, "must be at least 1");
+            }
+        }
+        if self.max_deliver < 1 {
+            return invalid("max_deliver", "must be at least 1");
+        }
+        Ok(())
     }
 
-    /// All three subjects.
-    pub fn all(&self) -> Vec<String> {
-        vec![
-            self.update.clone(),
-            self.signing_key.clone(),
-            self.resync.clone(),
-        ]
+    /// The fault injection asked for (none outside test builds).
+    pub fn faults(&self) -> crate::faults::Faults {
+        #[cfg(feature = "testkit")]
+        return crate::faults::Faults::armed(self.fault);
+        #[cfg(not(feature = "testkit"))]
+        crate::faults::Faults::default()
+    }
+
+    /// The configured subject of each input kind.
+    pub fn input_subjects(&self) -> InputSubjects {
+        InputSubjects::new(|kind| match kind {
+            InputKind::Update => &self.input_update_subject,
+            InputKind::SigningKey => &self.input_signing_key_subject,
+            InputKind::Resync => &self.input_resync_subject,
+        })
     }
 }
 
-/// Remote servers one replica fetches from at once, unless configured.
-pub const DEFAULT_FETCH_CONCURRENCY: usize = 1024;
+fn read_file(path: &Path) -> Result<toml::Table, ConfigError> {
+    let file_error = |why: String| ConfigError::File {
+        path: path.display().to_string(),
+        why,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
+    text.parse()
+        .map_err(|e: toml::de::Error| file_error(e.to_string()))
+}
 
 /// The resolved configuration of `run`.
 #[derive(Clone, Debug)]
@@ -187,216 +376,138 @@ pub struct Config {
     pub server_name: OwnedServerName,
     /// The key federation requests are signed with.
     pub signing_key: SigningKey,
-    /// Database URL.
-    pub database_url: String,
-    /// NATS URL(s).
-    pub nats_url: String,
-    /// Health listener.
-    pub http_addr: SocketAddr,
-    /// Fixed base URLs per server.
-    pub federation_overrides: BTreeMap<OwnedServerName, String>,
-    /// Per federation request.
-    pub federation_timeout: Duration,
-    /// First back-off wait.
-    pub retry_min: Duration,
-    /// Back-off cap.
-    pub retry_max: Duration,
-    /// Spread of start-up resyncs.
-    pub startup_spread: Duration,
-    /// Device cap of a fetched list.
-    pub max_devices: usize,
-    /// Input subjects.
-    pub input: InputSubjects,
-    /// Messages per batch.
-    pub batch_size: usize,
-    /// Start-up wait for NATS and the database.
-    pub startup_timeout: Duration,
-    /// Input lease length.
-    pub lease_ttl: Duration,
-    /// Deliveries before dead-lettering.
-    pub max_deliver: i64,
-    /// Redelivery wait of unacked input.
-    pub ack_wait: Duration,
-    /// Remote servers fetched from at once by one replica.
-    pub fetch_concurrency: usize,
+    /// Everything else.
+    pub settings: Settings,
 }
 
-/// The default database: a SQLite file in the working directory.
-pub const DEFAULT_DATABASE_URL: &str = "sqlite://device-lists.sqlite?mode=rwc";
-
-/// The merged sources: flags/environment first, then the file.
-#[derive(Debug, Default)]
-pub struct Sources {
-    values: HashMap<&'static str, String>,
-}
-
-impl Sources {
-    /// Merges `args` over the TOML file at `path` (if any).
-    pub fn load(args: &SettingsArgs, path: Option<&Path>) -> Result<Self, ConfigError> {
-        let mut values = HashMap::new();
-        if let Some(path) = path {
-            let file_error = |why: String| ConfigError::File {
-                path: path.display().to_string(),
-                why,
-            };
-            let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
-            let table: toml::Table = text
-                .parse()
-                .map_err(|e: toml::de::Error| file_error(e.to_string()))?;
-            let known: Vec<&'static str> = args.pairs().iter().map(|(k, _)| *k).collect();
-            for (key, value) in table {
-                let Some(&name) = known.iter().find(|k| **k == key) else {
-                    return Err(file_error(format!("unknown setting {key:?}")));
-                };
-                let value = match value {
-                    toml::Value::String(s) => s,
-                    toml::Value::Integer(i) => i.to_string(),
-                    other => return Err(file_error(format!("{key}: unsupported value {other}"))),
-                };
-                values.insert(name, value);
-            }
-        }
-        for (key, value) in args.pairs() {
-            if let Some(value) = value {
-                values.insert(key, value.clone());
-            }
-        }
-        Ok(Sources { values })
-    }
-
-    fn get(&self, key: &'static str) -> Option<&str> {
-        self.values
-            .get(key)
-            .map(String::as_str)
-            .filter(|v| !v.trim().is_empty())
-    }
-
-    fn parse<T>(
-        &self,
-        key: &'static str,
-        default: T,
-        parse: impl Fn(&str) -> Result<T, String>,
-    ) -> Result<T, ConfigError> {
-        match self.get(key) {
-            None => Ok(default),
-            Some(raw) => parse(raw.trim()).map_err(|why| ConfigError::Invalid {
-                key: key.to_owned(),
-                why: format!("{raw:?}: {why}"),
-            }),
-        }
-    }
-
-    fn duration(&self, key: &'static str, default: Duration) -> Result<Duration, ConfigError> {
-        self.parse(key, default, |s| {
-            humantime::parse_duration(s).map_err(|e| e.to_string())
-        })
-    }
-
-    fn number<T: std::str::FromStr>(&self, key: &'static str, default: T) -> Result<T, ConfigError>
-    where
-        T::Err: std::fmt::Display,
-    {
-        self.parse(key, default, |s| s.parse::<T>().map_err(|e| e.to_string()))
-    }
-
-    /// The database URL (all `migrate` needs).
-    pub fn database_url(&self) -> String {
-        self.get("database_url")
-            .unwrap_or(DEFAULT_DATABASE_URL)
-            .to_owned()
-    }
-
-    /// The NATS URL(s) (for admin commands).
-    pub fn nats_url(&self) -> String {
-        self.get("nats_url")
-            .unwrap_or("nats://127.0.0.1:4222")
-            .to_owned()
-    }
-
-    /// Resolves everything `run` needs, reading the signing key.
-    pub fn run_config(&self) -> Result<Config, ConfigError> {
-        let server_name = self
-            .get("server_name")
-            .ok_or_else(|| ConfigError::Missing("server_name", "SERVER_NAME".into()))
-            .and_then(|s| {
-                OwnedServerName::try_from(s.trim()).map_err(|e| ConfigError::Invalid {
-                    key: "server_name".into(),
-                    why: format!("{s:?}: {e}"),
-                })
+impl Config {
+    /// Requires the server name and reads the signing key.
+    pub fn from_settings(settings: Settings) -> Result<Config, ConfigError> {
+        let server_name = settings
+            .server_name
+            .clone()
+            .ok_or(ConfigError::Missing { key: "server_name" })?;
+        let path = settings
+            .signing_key_path
+            .as_deref()
+            .ok_or(ConfigError::Missing {
+                key: "signing_key_path",
             })?;
-        let key_path = self
-            .get("signing_key_path")
-            .ok_or_else(|| ConfigError::Missing("signing_key_path", "SIGNING_KEY_PATH".into()))?;
-        let signing_key = SigningKey::load(Path::new(key_path))?;
-        let retry_min = self.duration("retry_min", Duration::from_secs(60))?;
-        let retry_max = self.duration("retry_max", Duration::from_secs(3600))?;
-        if retry_max < retry_min {
-            return Err(ConfigError::Invalid {
-                key: "retry_max".into(),
-                why: "must not be shorter than retry_min".into(),
-            });
-        }
-        let defaults = InputSubjects::default();
-        let batch_size: usize = self.number("batch_size", 1000)?;
-        let max_deliver: i64 = self.number("max_deliver", 10)?;
-        let fetch_concurrency: usize =
-            self.number("fetch_concurrency", DEFAULT_FETCH_CONCURRENCY)?;
-        if batch_size == 0 || max_deliver < 1 || fetch_concurrency == 0 {
-            return Err(ConfigError::Invalid {
-                key: if batch_size == 0 {
-                    "batch_size"
-                } else if max_deliver < 1 {
-                    "max_deliver"
-                } else {
-                    "fetch_concurrency"
-                }
-                .into(),
-                why: "must be at least 1".into(),
-            });
-        }
+        let signing_key = SigningKey::load(path)?;
         Ok(Config {
             server_name,
             signing_key,
-            database_url: self.database_url(),
-            nats_url: self
-                .get("nats_url")
-                .unwrap_or("nats://127.0.0.1:4222")
-                .to_owned(),
-            http_addr: self.parse("http_addr", SocketAddr::from(([127, 0, 0, 1], 9464)), |s| {
-                s.parse()
-                    .map_err(|e: std::net::AddrParseError| e.to_string())
-            })?,
-            federation_overrides: self.parse(
-                "federation_overrides",
-                BTreeMap::new(),
-                parse_overrides,
-            )?,
-            federation_timeout: self.duration("federation_timeout", Duration::from_secs(30))?,
-            retry_min,
-            retry_max,
-            startup_spread: self.duration("startup_spread", Duration::from_secs(120))?,
-            max_devices: self.number("max_devices", 1000)?,
-            input: InputSubjects {
-                update: self
-                    .get("input_update_subject")
-                    .unwrap_or(&defaults.update)
-                    .to_owned(),
-                signing_key: self
-                    .get("input_signing_key_subject")
-                    .unwrap_or(&defaults.signing_key)
-                    .to_owned(),
-                resync: self
-                    .get("input_resync_subject")
-                    .unwrap_or(&defaults.resync)
-                    .to_owned(),
-            },
-            batch_size,
-            startup_timeout: self.duration("startup_timeout", Duration::from_secs(30))?,
-            lease_ttl: self.duration("lease_ttl", Duration::from_secs(10))?,
-            max_deliver,
-            ack_wait: self.duration("ack_wait", Duration::from_secs(60))?,
-            fetch_concurrency,
+            settings,
         })
+    }
+
+    /// A configuration for tests, the demo and the benchmarks: a new signing
+    /// key, any free HTTP port, no start-up spread, short timeouts. Tests
+    /// change what they exercise on the returned value.
+    #[cfg(feature = "testkit")]
+    pub fn for_tests(server_name: &str, nats_url: &str, database_url: &str) -> Config {
+        let settings = Settings {
+            server_name: OwnedServerName::try_from(server_name).ok(),
+            database_url: database_url.to_owned(),
+            nats_url: nats_url.to_owned(),
+            http_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            federation_timeout: Duration::from_secs(5),
+            retry_min: Duration::from_millis(200),
+            retry_max: Duration::from_secs(2),
+            startup_spread: Duration::ZERO,
+            startup_timeout: Duration::from_secs(10),
+            lease_ttl: Duration::from_secs(2),
+            ack_wait: Duration::from_secs(2),
+            fetch_concurrency: 64,
+            ..Settings::default()
+        };
+        Config {
+            server_name: OwnedServerName::try_from(server_name).expect("a valid server name"),
+            signing_key: SigningKey::generate().expect("a new signing key"),
+            settings,
+        }
+    }
+}
+
+/// Deserialisers for values that arrive as text from the environment and
+/// flags, and as text or TOML values from the file.
+mod value {
+    use std::collections::BTreeMap;
+    use std::str::FromStr;
+    use std::time::Duration;
+
+    use ruma::OwnedServerName;
+    use serde::de::{self, Deserialize, Deserializer, Error as _, Visitor};
+
+    /// A humantime duration: `250ms`, `10s`, `1h`.
+    pub fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(d)?;
+        humantime::parse_duration(&text).map_err(|e| D::Error::custom(format!("{text:?}: {e}")))
+    }
+
+    /// An integer, as a TOML integer or as text.
+    pub fn number<'de, D, T>(d: D) -> Result<T, D::Error>
+    where
+        D: Deserializer<'de>,
+        T: FromStr + TryFrom<i64>,
+        <T as FromStr>::Err: std::fmt::Display,
+    {
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum IntOrText {
+            Int(i64),
+            Text(String),
+        }
+        match IntOrText::deserialize(d)? {
+            IntOrText::Int(i) => {
+                T::try_from(i).map_err(|_| D::Error::custom(format!("{i} is out of range")))
+            }
+            IntOrText::Text(text) => text
+                .parse()
+                .map_err(|e| D::Error::custom(format!("{text:?}: {e}"))),
+        }
+    }
+
+    /// `server=base_url,server2=base_url2`.
+    pub fn overrides<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<BTreeMap<OwnedServerName, String>, D::Error> {
+        let text = String::deserialize(d)?;
+        super::parse_overrides(&text).map_err(D::Error::custom)
+    }
+
+    /// The field names a derived `Deserialize` of a struct asks for.
+    pub fn field_names<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
+        let mut names: &'static [&'static str] = &[];
+        let _ = T::deserialize(FieldNames(&mut names));
+        names
+    }
+
+    /// A deserializer that only records the field list it is given.
+    struct FieldNames<'a>(&'a mut &'static [&'static str]);
+
+    impl<'de> Deserializer<'de> for FieldNames<'_> {
+        type Error = de::value::Error;
+
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+            Err(Self::Error::custom("not a struct"))
+        }
+
+        fn deserialize_struct<V: Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            *self.0 = fields;
+            Err(Self::Error::custom("field names recorded"))
+        }
+
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
+            bytes byte_buf option unit unit_struct newtype_struct seq tuple
+            tuple_struct map enum identifier ignored_any
+        }
     }
 }
 
@@ -430,68 +541,123 @@ mod tests {
         path.display().to_string()
     }
 
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    fn scratch() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("dlu-config-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
     #[test]
-    fn flags_override_file_and_defaults_fill_the_rest() {
-        let dir = tempfile::tempdir().unwrap();
-        let file = dir.path().join("config.toml");
+    fn flags_over_environment_over_file_and_defaults_fill_the_rest() {
+        let dir = scratch();
+        let file = dir.join("config.toml");
         std::fs::write(
             &file,
             format!(
-                "server_name = \"file.example\"\nsigning_key_path = \"{}\"\nretry_min = \"5s\"\nmax_devices = 7\n",
-                key_file(dir.path())
+                "server_name = \"file.example\"\nsigning_key_path = \"{}\"\nretry_min = \"5s\"\nmax_devices = 7\nbatch_size = 3\n",
+                key_file(&dir)
             ),
         )
         .unwrap();
-        let args = SettingsArgs {
-            server_name: Some("flag.example".into()),
-            ..Default::default()
-        };
-        let config = Sources::load(&args, Some(&file))
-            .unwrap()
-            .run_config()
-            .unwrap();
+        let flags = SettingsArgs::from_pairs(&[("server_name", "flag.example")]);
+        let settings = Settings::load(
+            Some(&file),
+            env(&[
+                ("DLU_SERVER_NAME", "env.example"),
+                ("DLU_BATCH_SIZE", " 9 "),
+                ("DLU_MAX_DEVICES", "  "),
+                ("OTHER", "x"),
+            ]),
+            &flags,
+        )
+        .unwrap();
+        let config = Config::from_settings(settings).unwrap();
         assert_eq!(config.server_name.as_str(), "flag.example");
-        assert_eq!(config.retry_min, Duration::from_secs(5));
-        assert_eq!(config.max_devices, 7);
-        assert_eq!(config.retry_max, Duration::from_secs(3600));
-        assert_eq!(config.database_url, DEFAULT_DATABASE_URL);
-        assert_eq!(config.http_addr.to_string(), "127.0.0.1:9464");
+        let settings = &config.settings;
+        assert_eq!(settings.batch_size, 9, "the environment beats the file");
+        assert_eq!(settings.max_devices, 7, "a blank variable is unset");
+        assert_eq!(settings.retry_min, Duration::from_secs(5));
+        assert_eq!(settings.retry_max, Duration::from_secs(3600));
+        assert_eq!(
+            settings.database_url,
+            "sqlite://device-lists.sqlite?mode=rwc"
+        );
+        assert_eq!(settings.http_addr.to_string(), "127.0.0.1:9464");
+        assert_eq!(settings.log_format, LogFormat::Text);
     }
 
     #[test]
     fn bad_settings_say_which() {
-        let dir = tempfile::tempdir().unwrap();
-        let key = key_file(dir.path());
-        let missing = Sources::load(&SettingsArgs::default(), None)
-            .unwrap()
-            .run_config();
-        assert!(
-            missing
+        let dir = scratch();
+        let key = key_file(&dir);
+        let load = |pairs: &[(&str, &str)]| {
+            Settings::load(None, env(pairs), &SettingsArgs::default())
+                .and_then(Config::from_settings)
                 .unwrap_err()
                 .to_string()
-                .contains("server_name is required")
-        );
-        let args = SettingsArgs {
-            server_name: Some("a.example".into()),
-            signing_key_path: Some(key),
-            retry_min: Some("soon".into()),
-            ..Default::default()
         };
-        let err = Sources::load(&args, None)
-            .unwrap()
-            .run_config()
-            .unwrap_err();
-        assert!(err.to_string().starts_with("retry_min"), "{err}");
-        let args = SettingsArgs {
-            server_name: Some("a.example".into()),
-            signing_key_path: Some("/nonexistent/key".into()),
-            ..Default::default()
-        };
-        let err = Sources::load(&args, None)
-            .unwrap()
-            .run_config()
-            .unwrap_err();
-        assert!(err.to_string().starts_with("signing key"), "{err}");
+        assert!(load(&[]).contains("server_name is required"));
+        let err = load(&[
+            ("DLU_SERVER_NAME", "a.example"),
+            ("DLU_SIGNING_KEY_PATH", &key),
+            ("DLU_RETRY_MIN", "soon"),
+        ]);
+        assert!(err.starts_with("retry_min (DLU_RETRY_MIN)"), "{err}");
+        let err = load(&[
+            ("DLU_SERVER_NAME", "a.example"),
+            ("DLU_SIGNING_KEY_PATH", "/nonexistent/key"),
+        ]);
+        assert!(err.starts_with("signing key"), "{err}");
+        let err = load(&[("DLU_BATCH_SIZE", "many")]);
+        assert!(err.starts_with("batch_size"), "{err}");
+        let err = load(&[("DLU_FETCH_CONCURRENCY", "0")]);
+        assert!(err.starts_with("fetch_concurrency"), "{err}");
+        let err = load(&[("DLU_LOG_FORMAT", "xml")]);
+        assert!(err.contains("DLU_LOG_FORMAT"), "{err}");
+        let err = load(&[("DLU_RETRY_MIN", "2h")]);
+        assert!(err.starts_with("retry_max"), "{err}");
+    }
+
+    #[test]
+    fn unknown_file_keys_are_refused() {
+        let dir = scratch();
+        let file = dir.join("config.toml");
+        std::fs::write(&file, "server_nmae = \"typo.example\"\n").unwrap();
+        let err = Settings::load(Some(&file), env(&[]), &SettingsArgs::default())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("server_nmae"), "{err}");
+    }
+
+    #[test]
+    fn every_field_is_a_key_with_help() {
+        let keys = Settings::keys();
+        assert!(keys.contains(&"server_name") && keys.contains(&"log_format"));
+        assert!(keys.len() >= 21, "{keys:?}");
+        for key in keys {
+            assert!(!describe(key).is_empty(), "{key} has no --help line");
+        }
+    }
+
+    #[test]
+    fn every_key_is_documented() {
+        let doc = include_str!("../docs/configuration.md");
+        for key in Settings::keys() {
+            if *key == "fault" {
+                continue; // test builds only, described below the table
+            }
+            assert!(
+                doc.contains(&format!("| `{key}` | `{}` |", env_name(key))),
+                "docs/configuration.md has no row for {key}"
+            );
+        }
     }
 
     #[test]

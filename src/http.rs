@@ -1,20 +1,20 @@
 //! The health and metrics listener (SPEC §7): `/healthz`, `/readyz` and
 //! `/metrics` (Prometheus text format; see `docs/metrics.md`).
 
+use crate::shutdown::Shutdown;
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 
 use std::sync::Arc;
 
 use async_nats::jetstream::consumer::PullConsumer;
 
+use crate::bus::fetch_jobs::FETCH_CONSUMER;
 use crate::bus::streams::FETCH_STREAM;
 use crate::fetch::federation::FederationClient;
-use crate::fetch::jobs::FETCH_CONSUMER;
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -83,10 +83,10 @@ async fn metrics(State(health): State<Health>) -> impl axum::response::IntoRespo
 }
 
 /// Serves until `shutdown` turns true.
-pub async fn serve(listener: TcpListener, health: Health, mut shutdown: watch::Receiver<bool>) {
+pub async fn serve(listener: TcpListener, health: Health, shutdown: Shutdown) {
     let result = axum::serve(listener, router(health))
         .with_graceful_shutdown(async move {
-            let _ = shutdown.wait_for(|stop| *stop).await;
+            shutdown.requested().await;
         })
         .await;
     if let Err(e) = result {

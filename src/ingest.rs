@@ -9,17 +9,19 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Context, Message};
 use futures::StreamExt as _;
 use ruma::OwnedServerName;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::oneshot;
+
+use crate::shutdown::Shutdown;
 use tracing::Instrument as _;
 
+use crate::bus::BusError;
 use crate::bus::dead_letters::{self, DeadLetter};
 use crate::bus::fetch_jobs;
 use crate::bus::lease::Lease;
 use crate::bus::publisher::OutboxHandle;
-use crate::config::InputSubjects;
-use crate::input::{self, DeadReason, InputMessage, Parsed, Rejection};
+use crate::faults::{Fault, Faults};
+use crate::input::{self, DeadReason, InputMessage, InputSubjects, Parsed, Rejection};
 use crate::store::{Applied, Baton, Store, Turn};
-use crate::worker::Faults;
 
 /// How long one pull waits for messages (also the longest a clean stop waits).
 const PULL_EXPIRY: Duration = Duration::from_secs(1);
@@ -71,27 +73,22 @@ use crate::store::now_ms;
 impl Ingest {
     /// Consumes `consumer` while this replica holds the stream's lease, until
     /// `shutdown` turns true.
-    pub async fn run(
-        self,
-        stream_name: String,
-        consumer: PullConsumer,
-        mut shutdown: watch::Receiver<bool>,
-    ) {
+    pub async fn run(self, stream_name: String, consumer: PullConsumer, shutdown: Shutdown) {
         let key = format!("input.{stream_name}");
         let holder = uuid::Uuid::new_v4().to_string();
-        while !*shutdown.borrow() {
+        while !shutdown.is_requested() {
             let Some(lease) = Lease::try_acquire(&self.leases, &key, &holder, self.lease_ttl).await
             else {
                 tokio::select! {
                     () = tokio::time::sleep(self.lease_ttl / 4) => {}
-                    () = stopped(&mut shutdown) => {}
+                    () = shutdown.requested() => {}
                 }
                 continue;
             };
             tracing::info!(stream = %stream_name, "this replica now consumes the input stream");
             self.wait_for_in_flight(&consumer, &shutdown).await;
             let mut pipeline = Pipeline::default();
-            while !*shutdown.borrow() && !lease.is_lost() {
+            while !shutdown.is_requested() && !lease.is_lost() {
                 self.pull_once(&consumer, &shutdown, &mut pipeline).await;
             }
             pipeline.finish().await;
@@ -102,10 +99,10 @@ impl Ingest {
     /// After taking over, waits (at most `ack_wait`) until no message is
     /// delivered-but-unacked: a crashed leader's messages are then redelivered
     /// before newer ones, which keeps per-user order.
-    async fn wait_for_in_flight(&self, consumer: &PullConsumer, shutdown: &watch::Receiver<bool>) {
+    async fn wait_for_in_flight(&self, consumer: &PullConsumer, shutdown: &Shutdown) {
         let deadline = tokio::time::Instant::now() + self.ack_wait + Duration::from_secs(1);
         let mut consumer = consumer.clone();
-        while tokio::time::Instant::now() < deadline && !*shutdown.borrow() {
+        while tokio::time::Instant::now() < deadline && !shutdown.is_requested() {
             match consumer.info().await {
                 Ok(info) if info.num_ack_pending == 0 => return,
                 _ => tokio::time::sleep(Duration::from_millis(100)).await,
@@ -120,7 +117,7 @@ impl Ingest {
     async fn pull_once(
         &self,
         consumer: &PullConsumer,
-        shutdown: &watch::Receiver<bool>,
+        shutdown: &Shutdown,
         pipeline: &mut Pipeline,
     ) {
         let pull = consumer
@@ -162,7 +159,7 @@ impl Ingest {
 
     /// Processes one batch; every message is acked or naked when this returns.
     /// `order` places it after the batch before it (see [`Pipeline`]).
-    async fn process(&self, batch: Vec<Message>, shutdown: &watch::Receiver<bool>, order: Order) {
+    async fn process(&self, batch: Vec<Message>, shutdown: &Shutdown, order: Order) {
         let Order {
             turn,
             mut previous_done,
@@ -224,13 +221,11 @@ impl Ingest {
         }
         // Input about a server's users may end its fetch job's wait (SPEC
         // §5.2): checked in the background, after the stale marks committed.
-        self.wakeups.note_all(accepted.iter().map(|(_, message)| {
-            let heard = matches!(
-                message,
-                InputMessage::Update(_) | InputMessage::SigningKey(_)
-            );
-            (message.user_id().server_name(), heard)
-        }));
+        self.wakeups.note_all(
+            accepted
+                .iter()
+                .map(|(_, m)| (m.user_id().server_name(), m.heard_from_server())),
+        );
         let origin = oldest_publish_time(items.iter().map(|i| &i.message));
         for applied in &applied {
             for outcome in &applied.plan.outcomes {
@@ -287,7 +282,7 @@ impl Ingest {
         Item { message, verdict }
     }
 
-    async fn dead_letter_rejected(&self, items: &[Item]) -> Result<(), String> {
+    async fn dead_letter_rejected(&self, items: &[Item]) -> Result<(), BusError> {
         let mut acks = Vec::new();
         for item in items {
             if let Err(rejection) = &item.verdict {
@@ -295,7 +290,8 @@ impl Ingest {
             }
         }
         for ack in acks {
-            ack.await.map_err(|e| e.to_string())?;
+            ack.await
+                .map_err(BusError::jetstream("a dead letter was not stored"))?;
         }
         Ok(())
     }
@@ -304,7 +300,7 @@ impl Ingest {
         &self,
         message: &Message,
         rejection: &Rejection,
-    ) -> Result<async_nats::jetstream::context::PublishAckFuture, String> {
+    ) -> Result<async_nats::jetstream::context::PublishAckFuture, BusError> {
         tracing::info!(reason = %rejection.reason, error = %rejection.error, subject = %message.subject, "dead letter");
         self.metrics.dead_letter(rejection.reason.as_str());
         let origin_id = message
@@ -335,7 +331,7 @@ impl Ingest {
         &self,
         items: &[Item],
         accepted: &[(usize, &InputMessage)],
-        shutdown: &watch::Receiver<bool>,
+        shutdown: &Shutdown,
         turn: Turn,
         previous_done: &mut Option<oneshot::Receiver<()>>,
     ) -> Option<Vec<Applied>> {
@@ -376,7 +372,7 @@ impl Ingest {
                 }
                 Err(e) => tracing::warn!(error = %e, "database unavailable; holding the batch"),
             }
-            if *shutdown.borrow() {
+            if shutdown.is_requested() {
                 return None;
             }
             for item in items {
@@ -434,14 +430,14 @@ impl Ingest {
     async fn enqueue_jobs(
         &self,
         servers: &std::collections::BTreeSet<OwnedServerName>,
-        shutdown: &watch::Receiver<bool>,
+        shutdown: &Shutdown,
     ) -> bool {
         loop {
             match fetch_jobs::enqueue(&self.js, servers).await {
                 Ok(()) => return true,
                 Err(e) => tracing::warn!(error = %e, "fetch jobs not enqueued; retrying"),
             }
-            if *shutdown.borrow() {
+            if shutdown.is_requested() {
                 return false;
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -449,10 +445,7 @@ impl Ingest {
     }
 
     fn crash_point(&self) {
-        if self.faults.crash_after_commit {
-            tracing::error!("fault injection: crashing after commit, before publish and ack");
-            std::process::abort();
-        }
+        self.faults.crash_point(Fault::CrashAfterCommit);
     }
 }
 
@@ -493,12 +486,7 @@ struct Pipeline {
 impl Pipeline {
     /// Starts `batch` after the batches already pushed; returns once at
     /// most one batch (this one) is still in flight.
-    async fn push(
-        &mut self,
-        ingest: &Ingest,
-        batch: Vec<Message>,
-        shutdown: &watch::Receiver<bool>,
-    ) {
+    async fn push(&mut self, ingest: &Ingest, batch: Vec<Message>, shutdown: &Shutdown) {
         let (turn, baton) = Turn::after(self.baton.take());
         let (done_tx, done_rx) = oneshot::channel();
         let order = Order {
@@ -533,11 +521,6 @@ impl Pipeline {
         self.baton = None;
         self.done = None;
     }
-}
-
-/// Resolves once shutdown is requested (without holding the watch guard).
-async fn stopped(shutdown: &mut watch::Receiver<bool>) {
-    let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
 async fn nak_all<'a>(messages: impl Iterator<Item = &'a Message>, delay: Option<Duration>) {

@@ -1,33 +1,52 @@
 //! device-list-updater keeps a Matrix homeserver's copy of remote users'
 //! device lists and cross-signing keys up to date.
 //!
-//! The modules follow the pipeline:
+//! The modules follow the pipeline; dependencies run one way, down this list
+//! (a module uses only those above it):
 //!
+//! * `startup`, `shutdown`, [`faults`], `metrics`, `tls`: the start-up wait,
+//!   the stop signal and drop guards, crash-test fault injection (test
+//!   builds only), the Prometheus registry, the one TLS crypto provider;
+//! * [`signing_key`]: the ed25519 key federation requests are signed with;
 //! * [`input`]: raw JetStream messages become checked values or dead letters;
-//! * [`decide`]: pure rules say, per update, apply or mark the user stale;
-//! * [`fetch`]: stale lists are fetched from remote servers (signed, guarded,
-//!   with per-server back-off);
-//! * [`store`]: the plan is written with sea-orm in one transaction, with its
-//!   key-change events in an outbox;
-//! * [`bus`]: JetStream streams, consumers, fetch jobs and the outbox publisher;
-//! * [`ingest`]: the batch loop that ties them together;
-//! * [`rpc`]: the query and resync request-reply subjects;
-//! * [`worker`]: starts everything for `device-list-updater run`.
+//!   [`input::InputKind`] is the one list of input kinds;
+//! * [`decide`]: pure rules say, per update, apply or mark the user stale,
+//!   and what a fetched list changes;
+//! * [`key_change`]: the key-change events those rules produce (SPEC §4.2);
+//! * [`config`]: every setting, typed, with its defaults (SPEC §3);
+//! * [`store`]: the plans written with sea-orm in one transaction each, with
+//!   their key-change events in an outbox;
+//! * [`bus`]: JetStream streams, consumers, fetch jobs, the input lease and
+//!   the outbox publisher;
+//! * [`fetch`]: stale lists fetched from remote servers (signed, guarded,
+//!   with per-server and per-user back-off);
+//! * `ingest`: the batch loop that ties input, rules, store and bus together;
+//! * `rpc`, `http`: the request-reply subjects (SPEC §4.4), the health and
+//!   metrics listener (§7);
+//! * [`worker`]: starts everything for `device-list-updater run`;
+//! * [`admin`]: the `admin` commands, over the same store and bus;
+//! * [`telemetry`]: logs and traces;
+//! * `testkit` (feature `testkit`, for tests, the demo and benchmarks): a
+//!   private nats-server, databases, a mock remote homeserver fleet.
 
 pub mod admin;
 pub mod bus;
 pub mod config;
 pub mod decide;
+pub mod faults;
 pub mod fetch;
-pub mod http;
-pub mod ingest;
+pub(crate) mod http;
+pub(crate) mod ingest;
 pub mod input;
 pub mod key_change;
-pub mod metrics;
-pub mod rpc;
+pub(crate) mod metrics;
+pub(crate) mod rpc;
+pub(crate) mod shutdown;
 pub mod signing_key;
+pub(crate) mod startup;
 pub mod store;
 pub mod telemetry;
+#[cfg(feature = "testkit")]
 pub mod testkit;
-pub mod tls;
+pub(crate) mod tls;
 pub mod worker;

@@ -5,9 +5,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use device_list_updater::config::{SettingsArgs, Sources};
+use device_list_updater::config::{Config, LogFormat, Settings, SettingsArgs};
 use device_list_updater::signing_key::SigningKey;
-use device_list_updater::worker::{self, Faults};
+use device_list_updater::worker;
 
 /// Admin subcommands.
 #[derive(Subcommand)]
@@ -80,26 +80,37 @@ const STOP_GRACE: Duration = Duration::from_secs(9);
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let telemetry = match device_list_updater::telemetry::Telemetry::init(
-        std::env::var("DLU_LOG_FORMAT").ok().as_deref(),
-    ) {
+    // Settings first: the log format is one of them.
+    let settings = match &cli.command {
+        Command::GenerateKey { .. } => Ok(None),
+        Command::Run { settings }
+        | Command::Migrate { settings }
+        | Command::Admin { settings, .. } => {
+            Settings::from_process(cli.config.as_deref(), settings).map(Some)
+        }
+    };
+    let settings = match settings {
+        Ok(settings) => settings,
+        Err(e) => return fail(2, &format!("configuration: {e}")),
+    };
+    let log_format = settings.as_ref().map_or(LogFormat::Text, |s| s.log_format);
+    let telemetry = match device_list_updater::telemetry::Telemetry::init(log_format) {
         Ok(telemetry) => telemetry,
-        Err(e) => return fail(2, &e),
+        Err(e) => return fail(2, &e.to_string()),
     };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => return fail(1, &format!("cannot start the runtime: {e}")),
     };
     let code = runtime.block_on(async move {
-        match cli.command {
-            Command::GenerateKey { path } => generate_key(&path),
-            Command::Migrate { settings } => migrate(&settings, cli.config.as_deref()).await,
-            Command::Run { settings } => run(&settings, cli.config.as_deref()).await,
-            Command::Admin {
-                settings,
-                json,
-                command,
-            } => admin(&settings, cli.config.as_deref(), json, command).await,
+        match (cli.command, settings) {
+            (Command::GenerateKey { path }, _) => generate_key(&path),
+            (Command::Migrate { .. }, Some(settings)) => migrate(&settings).await,
+            (Command::Run { .. }, Some(settings)) => run(settings).await,
+            (Command::Admin { json, command, .. }, Some(settings)) => {
+                admin(&settings, json, command).await
+            }
+            (_, None) => fail(1, "no settings were loaded"),
         }
     });
     // Outside the runtime: the exporter flushes on its own threads.
@@ -107,18 +118,9 @@ fn main() -> ExitCode {
     code
 }
 
-async fn admin(
-    settings: &SettingsArgs,
-    config: Option<&std::path::Path>,
-    json: bool,
-    command: AdminCommand,
-) -> ExitCode {
+async fn admin(settings: &Settings, json: bool, command: AdminCommand) -> ExitCode {
     use device_list_updater::admin;
-    let sources = match Sources::load(settings, config) {
-        Ok(sources) => sources,
-        Err(e) => return fail(2, &e.to_string()),
-    };
-    let store = match worker::open_store(&sources.database_url(), Duration::from_secs(10)).await {
+    let store = match worker::open_store(&settings.database_url, Duration::from_secs(10)).await {
         Ok(store) => store,
         Err(e) => return fail(2, &e.to_string()),
     };
@@ -127,10 +129,9 @@ async fn admin(
         AdminCommand::Resync { .. } | AdminCommand::Streams | AdminCommand::ReplayOutbox
     );
     let js = if needs_nats {
-        match device_list_updater::bus::connect(&sources.nats_url(), Duration::from_secs(10)).await
-        {
+        match device_list_updater::bus::connect(&settings.nats_url, Duration::from_secs(10)).await {
             Ok(client) => Some(async_nats::jetstream::new(client)),
-            Err(e) => return fail(2, &e),
+            Err(e) => return fail(2, &e.to_string()),
         }
     } else {
         None
@@ -141,7 +142,9 @@ async fn admin(
         (AdminCommand::Resync { user }, Some(js)) => admin::resync(&store, js, &user).await,
         (AdminCommand::Streams, Some(js)) => admin::streams(js).await,
         (AdminCommand::ReplayOutbox, Some(js)) => admin::replay_outbox(&store, js).await,
-        _ => Err("NATS is needed for this command".into()),
+        _ => Err(admin::AdminError::Argument(
+            "NATS is needed for this command".into(),
+        )),
     };
     match result {
         Ok(value) if json => {
@@ -152,7 +155,7 @@ async fn admin(
             print!("{}", admin::to_text(&value));
             ExitCode::SUCCESS
         }
-        Err(e) => fail(1, &e),
+        Err(e) => fail(1, &e.to_string()),
     }
 }
 
@@ -173,12 +176,8 @@ fn generate_key(path: &std::path::Path) -> ExitCode {
     }
 }
 
-async fn migrate(settings: &SettingsArgs, config: Option<&std::path::Path>) -> ExitCode {
-    let sources = match Sources::load(settings, config) {
-        Ok(sources) => sources,
-        Err(e) => return fail(2, &e.to_string()),
-    };
-    match worker::open_store(&sources.database_url(), Duration::from_secs(30)).await {
+async fn migrate(settings: &Settings) -> ExitCode {
+    match worker::open_store(&settings.database_url, Duration::from_secs(30)).await {
         Ok(_) => {
             tracing::info!("migrations applied");
             ExitCode::SUCCESS
@@ -187,13 +186,13 @@ async fn migrate(settings: &SettingsArgs, config: Option<&std::path::Path>) -> E
     }
 }
 
-async fn run(settings: &SettingsArgs, config: Option<&std::path::Path>) -> ExitCode {
-    let config = match Sources::load(settings, config).and_then(|s| s.run_config()) {
+async fn run(settings: Settings) -> ExitCode {
+    let config = match Config::from_settings(settings) {
         Ok(config) => config,
         Err(e) => return fail(2, &format!("configuration: {e}")),
     };
-    raise_open_file_limit(config.fetch_concurrency);
-    let running = match worker::start(config, Faults::from_env()).await {
+    raise_open_file_limit(config.settings.fetch_concurrency);
+    let running = match worker::start(config).await {
         Ok(running) => running,
         Err(e) => return fail(2, &e.to_string()),
     };

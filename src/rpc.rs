@@ -14,10 +14,10 @@ use futures::StreamExt as _;
 use ruma::{OwnedServerName, OwnedUserId};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
-use tokio::sync::watch;
 
-use crate::bus::fetch_jobs;
-use crate::input::{InputMessage, ResyncRequest};
+use crate::bus::BusError;
+use crate::fetch::resync::{self, ResyncError};
+use crate::shutdown::Shutdown;
 use crate::store::Store;
 use crate::store::query::UserView;
 
@@ -54,9 +54,22 @@ struct QueryRequest {
     user_ids: Vec<String>,
 }
 
+/// The query RPC's reply (SPEC §4.4), also what `admin user` prints.
 #[derive(Serialize)]
-struct QueryReply<'a> {
+pub struct QueryReply<'a> {
     users: BTreeMap<&'a str, UserWire<'a>>,
+}
+
+impl<'a> QueryReply<'a> {
+    /// The reply for stored `views`.
+    pub fn new(views: &'a BTreeMap<String, UserView>) -> QueryReply<'a> {
+        QueryReply {
+            users: views
+                .iter()
+                .map(|(user, view)| (user.as_str(), user_wire(view)))
+                .collect(),
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -102,20 +115,24 @@ fn error_reply(error: impl std::fmt::Display) -> Vec<u8> {
 impl Rpc {
     /// Subscribes to both subjects. Done before the worker reports started,
     /// so a request sent right after start finds a responder.
-    pub async fn subscribe(self) -> Result<Subscribed, String> {
+    pub async fn subscribe(self) -> Result<Subscribed, BusError> {
         let subscribe =
             |subject: &'static str| self.client.queue_subscribe(subject, QUEUE_GROUP.to_owned());
         let query = subscribe(QUERY_SUBJECT)
             .await
-            .map_err(|e| format!("cannot subscribe to {QUERY_SUBJECT}: {e}"))?;
+            .map_err(BusError::jetstream(format!(
+                "cannot subscribe to {QUERY_SUBJECT}"
+            )))?;
         let resync = subscribe(RESYNC_SUBJECT)
             .await
-            .map_err(|e| format!("cannot subscribe to {RESYNC_SUBJECT}: {e}"))?;
+            .map_err(BusError::jetstream(format!(
+                "cannot subscribe to {RESYNC_SUBJECT}"
+            )))?;
         // Make sure the server has the subscriptions before anyone asks.
         self.client
             .flush()
             .await
-            .map_err(|e| format!("cannot reach NATS: {e}"))?;
+            .map_err(BusError::jetstream("cannot reach NATS"))?;
         Ok(Subscribed {
             rpc: self,
             query,
@@ -143,11 +160,7 @@ impl Rpc {
             Ok(views) => views,
             Err(e) => return error_reply(format!("database: {e}")),
         };
-        let users = views
-            .iter()
-            .map(|(user, view)| (user.as_str(), user_wire(view)))
-            .collect();
-        serde_json::to_vec(&QueryReply { users }).unwrap_or_else(error_reply)
+        serde_json::to_vec(&QueryReply::new(&views)).unwrap_or_else(error_reply)
     }
 
     /// Answers a resync request: marks the user stale, enqueues its server's
@@ -180,7 +193,7 @@ impl Rpc {
         let deadline = tokio::time::Instant::now() + timeout;
         match tokio::time::timeout_at(deadline, self.resync_user(&user)).await {
             Ok(Ok(())) => reply(true, None),
-            Ok(Err(e)) => reply(false, Some(e)),
+            Ok(Err(e)) => reply(false, Some(e.to_string())),
             Err(_) => {
                 let last = self.store.stale_state(&user).await.ok().flatten();
                 let error = last
@@ -191,15 +204,8 @@ impl Rpc {
         }
     }
 
-    async fn resync_user(&self, user: &OwnedUserId) -> Result<(), String> {
-        let mark = [InputMessage::Resync(ResyncRequest {
-            user_id: user.clone(),
-        })];
-        self.store
-            .apply_batch(&mark, crate::store::now_ms())
-            .await
-            .map_err(|e| format!("database: {e}"))?;
-        fetch_jobs::enqueue(&self.js, [&user.server_name().to_owned()]).await?;
+    async fn resync_user(&self, user: &OwnedUserId) -> Result<(), ResyncError> {
+        resync::request(&self.store, &self.js, user).await?;
         self.wakeups.note(user.server_name(), false);
         // The fetch may run on any replica, so the database is the place to
         // watch. Checks start fast and slow down to 4 per second.
@@ -225,7 +231,7 @@ pub struct Subscribed {
 
 impl Subscribed {
     /// Serves both RPCs until `shutdown` turns true.
-    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
+    pub async fn run(mut self, shutdown: Shutdown) {
         let mut running = tokio::task::JoinSet::new();
         loop {
             tokio::select! {
@@ -237,7 +243,7 @@ impl Subscribed {
                     let rpc = self.rpc.clone();
                     running.spawn(async move { rpc.reply(&message, rpc.resync(&message.payload).await).await });
                 }
-                _ = shutdown.wait_for(|s| *s) => break,
+                () = shutdown.requested() => break,
                 else => break,
             }
             while running.try_join_next().is_some() {}

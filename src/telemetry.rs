@@ -1,4 +1,4 @@
-//! Logs and traces. Logs go to stderr as text or JSON (`DLU_LOG_FORMAT`),
+//! Logs and traces. Logs go to stderr as text or JSON (the `log_format` setting),
 //! filtered by `RUST_LOG`. Traces are exported over OTLP/HTTP only when the
 //! standard `OTEL_EXPORTER_OTLP_ENDPOINT` (or `…_TRACES_ENDPOINT`) variable is
 //! set; otherwise no exporter and no OpenTelemetry layer exist, so spans cost
@@ -12,6 +12,19 @@ use tracing_subscriber::Layer as _;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
+use crate::config::LogFormat;
+
+/// Why logging or tracing could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    /// The OTLP exporter's `OTEL_*` settings are unusable.
+    #[error("configuration: OTLP trace exporter: {0}")]
+    Exporter(#[from] opentelemetry_otlp::ExporterBuildError),
+    /// A logger was already installed.
+    #[error("cannot set up logging: {0}")]
+    Logging(#[from] tracing_subscriber::util::TryInitError),
+}
+
 /// Keeps the trace exporter alive; [`Telemetry::shutdown`] flushes it.
 pub struct Telemetry {
     provider: Option<SdkTracerProvider>,
@@ -19,24 +32,19 @@ pub struct Telemetry {
 
 impl Telemetry {
     /// Sets up logging and, if configured, trace export. Call once.
-    pub fn init(log_format: Option<&str>) -> Result<Telemetry, String> {
+    pub fn init(log_format: LogFormat) -> Result<Telemetry, TelemetryError> {
         // The OTLP client is a reqwest client too: it needs the TLS provider.
         crate::tls::install_crypto_provider();
         let filter = tracing_subscriber::EnvFilter::try_from_default_env()
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-        let logs = match log_format.map(str::trim) {
-            None | Some("") | Some("text") => tracing_subscriber::fmt::layer()
+        let logs = match log_format {
+            LogFormat::Text => tracing_subscriber::fmt::layer()
                 .with_writer(std::io::stderr)
                 .boxed(),
-            Some("json") => tracing_subscriber::fmt::layer()
+            LogFormat::Json => tracing_subscriber::fmt::layer()
                 .json()
                 .with_writer(std::io::stderr)
                 .boxed(),
-            Some(other) => {
-                return Err(format!(
-                    "configuration: DLU_LOG_FORMAT must be text or json, not {other:?}"
-                ));
-            }
         };
         let configured = [
             "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -47,8 +55,7 @@ impl Telemetry {
         let provider = if configured {
             let exporter = opentelemetry_otlp::SpanExporter::builder()
                 .with_http()
-                .build()
-                .map_err(|e| format!("configuration: OTLP trace exporter: {e}"))?;
+                .build()?;
             Some(
                 SdkTracerProvider::builder()
                     .with_batch_exporter(exporter)
@@ -69,8 +76,7 @@ impl Telemetry {
             .with(filter)
             .with(logs)
             .with(traces)
-            .try_init()
-            .map_err(|e| format!("cannot set up logging: {e}"))?;
+            .try_init()?;
         Ok(Telemetry { provider })
     }
 

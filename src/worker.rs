@@ -6,66 +6,52 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
+use sea_orm::DbErr;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::bus::publisher::Publisher;
-use crate::bus::{self, lease, streams};
+use crate::bus::{self, BusError, fetch_jobs, lease, streams};
 use crate::config::Config;
-use crate::fetch::federation::{FederationClient, FederationSettings};
-use crate::fetch::jobs::{self, Fetcher};
+use crate::fetch::federation::{ClientError, FederationClient, FederationSettings};
+use crate::fetch::jobs::Fetcher;
 use crate::fetch::retry::RetryPolicy;
 use crate::fetch::wake::Wakeups;
 use crate::fetch::writer::FetchWriter;
 use crate::http::{self, Health};
 use crate::ingest::Ingest;
 use crate::metrics::Metrics;
+use crate::shutdown::{Shutdown, ShutdownTrigger};
+use crate::signing_key::KeyError;
 use crate::store::Store;
-
-/// Fault injection for crash tests, set with `DLU_FAULT` (never in production).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Faults {
-    /// Abort the process right after a batch commits, before publish and ack.
-    pub crash_after_commit: bool,
-    /// Abort right after events are published, before they leave the outbox.
-    pub crash_after_publish: bool,
-}
-
-impl Faults {
-    /// Reads `DLU_FAULT` (`crash_after_commit` or `crash_after_publish`).
-    pub fn from_env() -> Self {
-        let value = std::env::var("DLU_FAULT").unwrap_or_default();
-        Faults {
-            crash_after_commit: value == "crash_after_commit",
-            crash_after_publish: value == "crash_after_publish",
-        }
-    }
-}
 
 /// Why the worker could not start. All of these exit with code 2.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    /// NATS did not answer within the start-up timeout.
-    #[error("{0}")]
-    Nats(String),
-    /// The database did not answer, or migrations failed.
-    #[error("{0}")]
-    Database(String),
-    /// Streams or consumers could not be created.
-    #[error("{0}")]
-    Bus(String),
+    /// NATS did not answer, or streams, consumers or subscriptions could not
+    /// be set up.
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    /// The database did not answer within the start-up wait.
+    #[error("cannot connect to the database: {0}")]
+    Database(#[source] DbErr),
+    /// Migrations failed.
+    #[error("migrations failed: {0}")]
+    Migrations(#[source] DbErr),
     /// The health listener could not bind.
     #[error("cannot listen on {0}: {1}")]
-    Http(SocketAddr, std::io::Error),
-    /// The federation client could not be set up (key or TLS).
-    #[error("{0}")]
-    Federation(String),
+    Http(SocketAddr, #[source] std::io::Error),
+    /// The signing key is not a usable ed25519 key.
+    #[error("signing key: {0}")]
+    Key(#[from] KeyError),
+    /// The federation client could not be set up (DNS or TLS).
+    #[error(transparent)]
+    Federation(#[from] ClientError),
 }
 
 /// A running worker.
 pub struct Running {
-    shutdown: watch::Sender<bool>,
+    shutdown: ShutdownTrigger,
     tasks: JoinSet<()>,
     /// Where the health listener actually listens (useful with port 0).
     pub http_addr: SocketAddr,
@@ -77,7 +63,7 @@ impl Running {
     /// Stops pulling, finishes the batch in hand, drains the outbox, and
     /// returns; gives up waiting after `grace`.
     pub async fn stop(mut self, grace: Duration) {
-        let _ = self.shutdown.send(true);
+        self.shutdown.trigger();
         let all = async { while self.tasks.join_next().await.is_some() {} };
         if tokio::time::timeout(grace, all).await.is_err() {
             tracing::warn!("shutdown grace period over; aborting remaining tasks");
@@ -88,76 +74,54 @@ impl Running {
 
 /// Connects to the database, retrying until `wait` has passed, and migrates.
 pub async fn open_store(url: &str, wait: Duration) -> Result<Store, StartError> {
-    let deadline = tokio::time::Instant::now() + wait;
-    let store = loop {
-        match Store::connect(url).await {
-            Ok(store) => break store,
-            Err(e) if tokio::time::Instant::now() >= deadline => {
-                return Err(StartError::Database(format!(
-                    "cannot connect to the database: {e}"
-                )));
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
-        }
-    };
-    store
-        .migrate()
+    let store = Store::connect_within(url, wait)
         .await
-        .map_err(|e| StartError::Database(format!("migrations failed: {e}")))?;
+        .map_err(StartError::Database)?;
+    store.migrate().await.map_err(StartError::Migrations)?;
     Ok(store)
 }
 
 /// Starts a worker.
-pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError> {
-    let client = bus::connect(&config.nats_url, config.startup_timeout)
-        .await
-        .map_err(StartError::Nats)?;
-    let store = open_store(&config.database_url, config.startup_timeout).await?;
-    let instance_id = store
-        .instance_id()
-        .await
-        .map_err(|e| StartError::Database(e.to_string()))?;
+pub async fn start(config: Config) -> Result<Running, StartError> {
+    let Config {
+        server_name,
+        signing_key,
+        settings,
+    } = config;
+    let faults = settings.faults();
+    let client = bus::connect(&settings.nats_url, settings.startup_timeout).await?;
+    let store = open_store(&settings.database_url, settings.startup_timeout).await?;
+    let instance_id = store.instance_id().await.map_err(StartError::Database)?;
     let js = jetstream::new(client.clone());
-    let inputs = streams::ensure_all(&js, &config.input.all())
-        .await
-        .map_err(StartError::Bus)?;
-    let settings = streams::InputConsumerSettings {
-        max_deliver: config.max_deliver,
-        max_ack_pending: (config.batch_size * 4).max(1000) as i64,
-        ack_wait: config.ack_wait,
+    let subjects = settings.input_subjects();
+    let inputs = streams::ensure_all(&js, &subjects.all()).await?;
+    let consumer_settings = streams::InputConsumerSettings {
+        max_deliver: settings.max_deliver,
+        max_ack_pending: (settings.batch_size * 4).max(1000) as i64,
+        ack_wait: settings.ack_wait,
     };
     let mut consumers = Vec::new();
-    for (stream, subjects) in &inputs {
-        let consumer = streams::input_consumer(&js, stream, subjects, &settings)
-            .await
-            .map_err(StartError::Bus)?;
+    for (stream, stream_subjects) in &inputs {
+        let consumer =
+            streams::input_consumer(&js, stream, stream_subjects, &consumer_settings).await?;
         consumers.push((stream.clone(), consumer));
     }
-    let fetch_consumer = jobs::consumer(&js, config.ack_wait)
-        .await
-        .map_err(StartError::Bus)?;
-    let key = config
-        .signing_key
-        .key_pair()
-        .map_err(|e| StartError::Federation(e.to_string()))?;
+    let fetch_consumer = fetch_jobs::consumer(&js, settings.ack_wait).await?;
     let federation = FederationClient::new(FederationSettings {
-        origin: config.server_name.clone(),
-        key,
-        overrides: config.federation_overrides.clone(),
-        timeout: config.federation_timeout,
-    })
-    .map_err(StartError::Federation)?;
-    let leases = lease::bucket(&js, config.lease_ttl)
+        origin: server_name.clone(),
+        key: signing_key.key_pair()?,
+        overrides: settings.federation_overrides.clone(),
+        timeout: settings.federation_timeout,
+    })?;
+    let leases = lease::bucket(&js, settings.lease_ttl).await?;
+    let listener = TcpListener::bind(settings.http_addr)
         .await
-        .map_err(StartError::Bus)?;
-    let listener = TcpListener::bind(config.http_addr)
-        .await
-        .map_err(|e| StartError::Http(config.http_addr, e))?;
+        .map_err(|e| StartError::Http(settings.http_addr, e))?;
     let http_addr = listener
         .local_addr()
-        .map_err(|e| StartError::Http(config.http_addr, e))?;
+        .map_err(|e| StartError::Http(settings.http_addr, e))?;
 
-    let (shutdown, stop) = watch::channel(false);
+    let (trigger, shutdown) = Shutdown::new();
     let mut tasks = JoinSet::new();
     let metrics = Metrics::new();
     let federation = Arc::new(federation);
@@ -168,7 +132,7 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         metrics: metrics.clone(),
         federation: federation.clone(),
     };
-    tasks.spawn(http::serve(listener, health, stop.clone()));
+    tasks.spawn(http::serve(listener, health, shutdown.clone()));
     let (publisher, outbox) = Publisher::new(
         store.clone(),
         js.clone(),
@@ -176,68 +140,72 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
         faults,
         metrics.clone(),
     );
+    let (writer, writer_task) =
+        FetchWriter::new(store.clone(), settings.max_devices, outbox.clone());
+    // Ends once the fetcher (its last handle) has stopped and what it
+    // handed over is stored.
+    tasks.spawn(writer_task);
     let fetcher = Fetcher {
         js: js.clone(),
         store: store.clone(),
         client: federation,
         policy: RetryPolicy {
-            min: config.retry_min,
-            max: config.retry_max,
+            min: settings.retry_min,
+            max: settings.retry_max,
         },
-        max_devices: config.max_devices,
-        concurrency: config.fetch_concurrency,
-        writer: FetchWriter::start(store.clone(), config.max_devices, outbox.clone()),
-        ack_wait: config.ack_wait,
+        concurrency: settings.fetch_concurrency,
+        writer,
+        ack_wait: settings.ack_wait,
         metrics: metrics.clone(),
     };
-    tasks.spawn(fetcher.run(fetch_consumer, stop.clone()));
+    tasks.spawn(fetcher.run(fetch_consumer, shutdown.clone()));
     let wakeups = Wakeups::default();
     tasks.spawn(wakeups.clone().run(
         store.clone(),
         js.clone(),
-        config.retry_min,
+        settings.retry_min,
         metrics.clone(),
-        stop.clone(),
+        shutdown.clone(),
     ));
     let rpc = crate::rpc::Rpc {
         client: client.clone(),
         js: js.clone(),
         store: store.clone(),
-        own_server: config.server_name.clone(),
+        own_server: server_name.clone(),
         wakeups: wakeups.clone(),
     };
-    let rpc = rpc.subscribe().await.map_err(StartError::Bus)?;
-    tasks.spawn(rpc.run(stop.clone()));
+    let rpc = rpc.subscribe().await?;
+    tasks.spawn(rpc.run(shutdown.clone()));
     tasks.spawn(rescan_stale(
         js.clone(),
         store.clone(),
-        config.startup_spread,
-        stop.clone(),
+        settings.startup_spread,
+        shutdown.clone(),
     ));
     let ingest = Ingest {
         js: js.clone(),
         store: store.clone(),
-        own_server: config.server_name.clone(),
-        subjects: config.input.clone(),
-        batch_size: config.batch_size,
-        max_deliver: config.max_deliver,
+        own_server: server_name.clone(),
+        subjects,
+        batch_size: settings.batch_size,
+        max_deliver: settings.max_deliver,
         outbox,
         faults,
         leases,
-        lease_ttl: config.lease_ttl,
-        ack_wait: config.ack_wait,
+        lease_ttl: settings.lease_ttl,
+        ack_wait: settings.ack_wait,
         metrics,
         wakeups,
     };
     for (stream, consumer) in consumers {
-        tasks.spawn(ingest.clone().run(stream, consumer, stop.clone()));
+        tasks.spawn(ingest.clone().run(stream, consumer, shutdown.clone()));
     }
-    // Ends after the ingest loops (the last outbox handles) have stopped.
+    // Ends after the ingest loops and the fetch writer (the last outbox
+    // handles) have stopped.
     tasks.spawn(publisher.run());
-    drop(stop);
-    tracing::info!(%http_addr, server_name = %config.server_name, "worker started");
+    tracing::info!(%http_addr, %server_name, "worker started");
     Ok(Running {
-        shutdown,
+        shutdown: trigger,
         tasks,
         http_addr,
         store,
@@ -248,12 +216,7 @@ pub async fn start(config: Config, faults: Faults) -> Result<Running, StartError
 /// still has stale users, spread evenly over `spread` so a restart does not
 /// hit every remote server at once. Jobs already queued are refused by the
 /// stream, so replicas starting together do no double work.
-async fn rescan_stale(
-    js: jetstream::Context,
-    store: Store,
-    spread: Duration,
-    mut stop: watch::Receiver<bool>,
-) {
+async fn rescan_stale(js: jetstream::Context, store: Store, spread: Duration, stop: Shutdown) {
     let servers = match store.servers_with_stale_users().await {
         Ok(servers) => servers,
         Err(e) => {
@@ -279,10 +242,10 @@ async fn rescan_stale(
             // Pacing, not synchronisation: the spread is the point.
             tokio::select! {
                 () = tokio::time::sleep(step) => {}
-                _ = stop.wait_for(|s| *s) => return,
+                () = stop.requested() => return,
             }
         }
-        if let Err(e) = crate::bus::fetch_jobs::enqueue(&js, [server]).await {
+        if let Err(e) = fetch_jobs::enqueue(&js, [server]).await {
             tracing::warn!(error = %e, %server, "start-up rescan could not enqueue a job");
         }
     }

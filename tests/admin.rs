@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use common::{Backend, Nats, TestDb, publish};
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
-use device_list_updater::worker::{self, Faults};
+use device_list_updater::testkit::stream_len;
+use device_list_updater::worker;
 use serde_json::{Value, json};
 
 const ALICE: &str = "@alice:remote.example";
@@ -52,7 +53,7 @@ async fn admin_commands(backend: Backend) {
         vec![Reply::Json(device_list(ALICE, 3, &[("D1", "Phone")]))],
     );
     fleet.script(BOB, vec![Reply::Status(502, json!({}), None)]);
-    let running = worker::start(config, Faults::default()).await.unwrap();
+    let running = worker::start(config).await.unwrap();
     let js = nats.js().await;
     for user in [ALICE, BOB] {
         publish(
@@ -119,8 +120,19 @@ async fn admin_commands(backend: Backend) {
     })
     .await;
 
-    let replay = admin_json(&db, &nats, &["replay-outbox"]).await;
-    assert!(replay["published"].is_u64(), "{replay}");
+    // With no worker running, what a crashed one left in the outbox is
+    // published by `replay-outbox`, once, and leaves the table.
+    let store = running.store.clone();
     running.stop(Duration::from_secs(10)).await;
+    let before = stream_len(&js, "KEY_CHANGE").await;
+    let payload = common::leave_in_outbox(store.connection(), ALICE).await;
+    let replay = admin_json(&db, &nats, &["replay-outbox"]).await;
+    assert_eq!(replay["published"], 1, "{replay}");
+    assert_eq!(store.outbox_len().await.unwrap(), 0);
+    let published = common::read_stream(&js, "KEY_CHANGE").await;
+    assert_eq!(published.len() as u64, before + 1);
+    assert_eq!(published.last().map(|m| &m.json), Some(&payload));
+    let again = admin_json(&db, &nats, &["replay-outbox"]).await;
+    assert_eq!(again["published"], 0, "nothing is published twice");
 }
 both_backends!(commands, admin_commands);

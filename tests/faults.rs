@@ -20,7 +20,7 @@ use common::{Backend, Nats, TestDb};
 use device_list_updater::signing_key::SigningKey;
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
 use device_list_updater::testkit::{stream_len, wait_for};
-use device_list_updater::worker::{self, Faults};
+use device_list_updater::worker;
 use futures::StreamExt as _;
 use sea_orm::{ActiveValue::Set, ConnectionTrait, EntityTrait, PaginatorTrait};
 use serde_json::json;
@@ -198,7 +198,7 @@ async fn start_and_let_a_fifth_through(
     js: &jetstream::Context,
 ) -> (worker::Running, MockFederation) {
     let mut config = common::config(nats, db);
-    config.batch_size = 100;
+    config.settings.batch_size = 100;
     // A few users to fetch too, so the fault also meets pending fetches.
     let remote = MockFederation::trusting(&config, Duration::from_millis(50)).await;
     let servers: Vec<String> = (0..STALE_SERVERS).map(stale_server).collect();
@@ -217,9 +217,7 @@ async fn start_and_let_a_fifth_through(
         )
         .await;
     }
-    let running = worker::start(config, Faults::default())
-        .await
-        .expect("worker");
+    let running = worker::start(config).await.expect("worker");
     wait_for(Duration::from_secs(120), "part of the burst", || async {
         (stream_len(js, "KEY_CHANGE").await >= (TOTAL / 5) as u64).then_some(())
     })

@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::fetch_env::{Env, update};
 use common::{Backend, Nats, TestDb, stream_len, wait_stream};
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
-use device_list_updater::worker::{self, Faults};
+use device_list_updater::worker;
 use entity::stale_user;
 use sea_orm::{ActiveModelTrait, ActiveValue::Set, EntityTrait, PaginatorTrait};
 use serde_json::json;
@@ -140,7 +140,7 @@ both_backends!(mismatching_device, mismatching_device_skipped);
 async fn unusable_answers_are_retried(backend: Backend) {
     let servers = ["one.example", "two.example", "three.example"];
     let env = Env::start(backend, &servers, Duration::ZERO, |c| {
-        c.federation_timeout = Duration::from_millis(500);
+        c.settings.federation_timeout = Duration::from_millis(500);
     })
     .await;
     let users = ["@a:one.example", "@b:two.example", "@c:three.example"];
@@ -168,8 +168,8 @@ both_backends!(unusable_answers, unusable_answers_are_retried);
 /// the spread never shortens them.
 async fn server_errors_back_off(backend: Backend) {
     let env = Env::start(backend, &[REMOTE], Duration::ZERO, |c| {
-        c.retry_min = Duration::from_millis(300);
-        c.retry_max = Duration::from_secs(5);
+        c.settings.retry_min = Duration::from_millis(300);
+        c.settings.retry_max = Duration::from_secs(5);
     })
     .await;
     let error = Reply::Status(500, json!({"errcode": "M_UNKNOWN"}), None);
@@ -194,8 +194,8 @@ both_backends!(server_errors, server_errors_back_off);
 /// 429 with retry_after_ms is not retried before that time.
 async fn rate_limit_is_honoured(backend: Backend) {
     let env = Env::start(backend, &[REMOTE], Duration::ZERO, |c| {
-        c.retry_min = Duration::from_millis(100);
-        c.retry_max = Duration::from_secs(10);
+        c.settings.retry_min = Duration::from_millis(100);
+        c.settings.retry_max = Duration::from_secs(10);
     })
     .await;
     let limited = Reply::Status(
@@ -221,7 +221,10 @@ both_backends!(rate_limit, rate_limit_is_honoured);
 
 /// More devices than DLU_MAX_DEVICES: nothing stored, the user fresh.
 async fn too_many_devices_not_stored(backend: Backend) {
-    let env = Env::start(backend, &[REMOTE], Duration::ZERO, |c| c.max_devices = 2).await;
+    let env = Env::start(backend, &[REMOTE], Duration::ZERO, |c| {
+        c.settings.max_devices = 2
+    })
+    .await;
     env.fleet.script(
         ALICE,
         vec![Reply::Json(device_list(
@@ -320,13 +323,13 @@ async fn stale_users_fetched_at_start(backend: Backend) {
         }
     }
     let mut config = common::config(&nats, &db);
-    config.startup_spread = Duration::from_secs(1);
+    config.settings.startup_spread = Duration::from_secs(1);
     let fleet = MockFederation::trusting(&config, Duration::ZERO).await;
     fleet.serve(&mut config, servers);
     for user in users {
         fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
     }
-    let running = worker::start(config, Faults::default()).await.unwrap();
+    let running = worker::start(config).await.unwrap();
     common::eventually(Duration::from_secs(20), "both users fetched", || async {
         let left = stale_user::Entity::find()
             .count(running.store.connection())

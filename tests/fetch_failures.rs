@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use common::fetch_env::{Env, update};
 use common::{Backend, metric_sample};
 use device_list_updater::testkit::remote::{Reply, device_list};
-use device_list_updater::worker::{self, Faults};
+use device_list_updater::worker;
 use entity::{fetch_server, stale_user};
 use sea_orm::EntityTrait;
 use serde_json::json;
@@ -96,8 +96,8 @@ impl BadAnswer {
 /// then no sooner than twice that.
 async fn one_bad_user_blocks_nobody(backend: Backend, bad: BadAnswer) {
     let env = Env::start(backend, &[SERVER], Duration::ZERO, |c| {
-        c.retry_min = Duration::from_secs(3);
-        c.retry_max = Duration::from_secs(60);
+        c.settings.retry_min = Duration::from_secs(3);
+        c.settings.retry_max = Duration::from_secs(60);
     })
     .await;
     env.fleet.script(BAD, vec![bad.reply()]);
@@ -203,8 +203,8 @@ async fn asked_waits_are_floors(backend: Backend) {
         "four.example",
     ];
     let env = Env::start(backend, &servers, Duration::ZERO, |c| {
-        c.retry_min = Duration::from_millis(1200);
-        c.retry_max = Duration::from_secs(30);
+        c.settings.retry_min = Duration::from_millis(1200);
+        c.settings.retry_max = Duration::from_secs(30);
     })
     .await;
     for (user, first, _) in &cases {
@@ -226,14 +226,14 @@ both_backends!(asked_waits, asked_waits_are_floors);
 /// user of it is fresh within seconds, on one replica or two.
 async fn update_ends_back_off(backend: Backend, replicas: usize) {
     let env = Env::start(backend, &[SERVER], Duration::ZERO, |c| {
-        c.retry_min = Duration::from_secs(40);
-        c.retry_max = Duration::from_secs(60);
+        c.settings.retry_min = Duration::from_secs(40);
+        c.settings.retry_max = Duration::from_secs(60);
     })
     .await;
     let mut others = Vec::new();
     for _ in 1..replicas {
         others.push(
-            worker::start(env.config.clone(), Faults::default())
+            worker::start(env.config.clone())
                 .await
                 .expect("replica starts"),
         );
@@ -273,8 +273,8 @@ both_backends!(update_wakes_two_replicas, |b| update_ends_back_off(b, 2));
 /// request in flight at a time, and at most one wake-up per `DLU_RETRY_MIN`.
 async fn a_storm_of_updates_is_not_a_storm_of_requests(backend: Backend) {
     let env = Env::start(backend, &[SERVER], Duration::ZERO, |c| {
-        c.retry_min = Duration::from_secs(1);
-        c.retry_max = Duration::from_secs(30);
+        c.settings.retry_min = Duration::from_secs(1);
+        c.settings.retry_max = Duration::from_secs(30);
     })
     .await;
     let users: Vec<String> = (0..300).map(|i| format!("@u{i}:{SERVER}")).collect();
@@ -313,8 +313,8 @@ both_backends!(update_storm, a_storm_of_updates_is_not_a_storm_of_requests);
 /// is over, whether the fetch queue survived or was lost meanwhile.
 async fn restart_keeps_the_wait(backend: Backend, lose_queue: bool) {
     let env = Env::start(backend, &[SERVER], Duration::ZERO, |c| {
-        c.retry_min = Duration::from_secs(4);
-        c.retry_max = Duration::from_secs(30);
+        c.settings.retry_min = Duration::from_secs(4);
+        c.settings.retry_max = Duration::from_secs(30);
     })
     .await;
     let user = &good_users()[0];

@@ -11,7 +11,7 @@ use common::{Backend, Nats, TestDb, read_stream};
 use device_list_updater::signing_key::SigningKey;
 use device_list_updater::store::Store;
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
-use device_list_updater::worker::{self, Faults};
+use device_list_updater::worker;
 use entity::stale_user;
 use sea_orm::{EntityTrait, PaginatorTrait};
 use serde_json::json;
@@ -58,17 +58,15 @@ async fn one_request_per_server(backend: Backend) {
     // machine can promise (measured: ticks of the keep-alive 1.4 s late and
     // redeliveries at 2 s, also before this change); this test is about
     // normal operation, not about redelivery, so it gets the margin.
-    config.ack_wait = Duration::from_secs(10);
+    config.settings.ack_wait = Duration::from_secs(10);
     let fleet = MockFederation::trusting(&config, Duration::from_millis(100)).await;
     let (servers, users) = fleet_users(50, 4);
     fleet.serve(&mut config, servers.iter().map(String::as_str));
     for user in &users {
         fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
     }
-    let first = worker::start(config.clone(), Faults::default())
-        .await
-        .unwrap();
-    let second = worker::start(config, Faults::default()).await.unwrap();
+    let first = worker::start(config.clone()).await.unwrap();
+    let second = worker::start(config).await.unwrap();
     let js = nats.js().await;
     resync_all(&js, &users).await;
     common::eventually(Duration::from_secs(60), "every user fresh", || async {
@@ -96,8 +94,8 @@ async fn backoff_does_not_block_healthy_servers(backend: Backend) {
     let nats = Nats::start().await;
     let db = TestDb::new(backend).await;
     let mut config = common::config(&nats, &db);
-    config.retry_min = Duration::from_secs(600);
-    config.retry_max = Duration::from_secs(3600);
+    config.settings.retry_min = Duration::from_secs(600);
+    config.settings.retry_max = Duration::from_secs(3600);
     let fleet = MockFederation::trusting(&config, Duration::ZERO).await;
     let (servers, users) = fleet_users(1000, 1);
     let healthy = "@alice:healthy.example";
@@ -118,7 +116,7 @@ async fn backoff_does_not_block_healthy_servers(backend: Backend) {
         healthy,
         vec![Reply::Json(device_list(healthy, 1, &[("D", "P")]))],
     );
-    let running = worker::start(config, Faults::default()).await.unwrap();
+    let running = worker::start(config).await.unwrap();
     let js = nats.js().await;
     resync_all(&js, &users).await;
     common::eventually(
@@ -294,8 +292,8 @@ async fn sigterm_during_a_hanging_fetch(backend: Backend) {
     let mut config = common::config(&nats, &db);
     config.signing_key = key;
     fleet.serve(&mut config, ["hangs.example"]);
-    config.ack_wait = Duration::from_secs(60);
-    let successor = worker::start(config, Faults::default()).await.unwrap();
+    config.settings.ack_wait = Duration::from_secs(60);
+    let successor = worker::start(config).await.unwrap();
     common::eventually(
         Duration::from_secs(15),
         "fetched by the successor",

@@ -12,7 +12,7 @@ use common::{Backend, Nats, TestDb, publish};
 use device_list_updater::fetch::federation::{FederationClient, FederationSettings};
 use device_list_updater::signing_key::SigningKey;
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_list, overrides_for};
-use device_list_updater::worker::{self, Faults};
+use device_list_updater::worker;
 use entity::stale_user;
 use sea_orm::EntityTrait;
 use serde_json::json;
@@ -102,7 +102,7 @@ async fn worker_never_contacts_loopback(backend: Backend) {
     fleet.serve(&mut config, ["good.example"]);
     let good = "@alice:good.example";
     fleet.script(good, vec![Reply::Json(device_list(good, 1, &[("D", "P")]))]);
-    let worker = worker::start(config, Faults::default()).await.unwrap();
+    let worker = worker::start(config).await.unwrap();
     let js = nats.js().await;
     let evil = [
         format!("@evil:127.0.0.1:{port}"),

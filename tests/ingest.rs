@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{
     Backend, Nats, TestDb, publish, read_stream, stream_len, wait_input_drained, wait_stream,
 };
-use device_list_updater::worker::{self, Faults, Running};
+use device_list_updater::worker::{self, Running};
 use entity::{key_change_outbox, remote_device, remote_user, stale_user};
 use sea_orm::{ActiveModelTrait, ActiveValue::Set, EntityTrait, PaginatorTrait};
 use serde_json::json;
@@ -28,7 +28,7 @@ impl Env {
     async fn start(backend: Backend) -> Env {
         let nats = Nats::start().await;
         let db = TestDb::new(backend).await;
-        let worker = worker::start(common::config(&nats, &db), Faults::default())
+        let worker = worker::start(common::config(&nats, &db))
             .await
             .expect("worker starts");
         let js = nats.js().await;
@@ -355,7 +355,8 @@ async fn dead_letters_do_not_block_good_messages(backend: Backend) {
     for (_, body, origin) in &bad {
         publish(&js, "devicelist.in.update", body, *origin).await;
     }
-    // a deletion applies without any stored state, so it is a good message that emits
+    // a good update for a user nothing is known of: it marks the user stale
+    // (checked below), in the same batches as the bad ones
     publish(&js, "devicelist.in.update",
         &u(json!({"user_id": ALICE, "device_id": "GOOD", "stream_id": 2, "prev_id": [1], "deleted": false,
                   "keys": {"k": 1}})), None).await;
@@ -366,9 +367,7 @@ async fn dead_letters_do_not_block_good_messages(backend: Backend) {
         None,
     )
     .await;
-    let worker = worker::start(common::config(&nats, &db), Faults::default())
-        .await
-        .unwrap();
+    let worker = worker::start(common::config(&nats, &db)).await.unwrap();
     let dead = wait_stream(&js, "DEVICE_LIST_DEAD", bad.len() as u64).await;
     for ((reason, body, origin), letter) in bad.iter().zip(&dead) {
         assert_eq!(letter.subject, format!("devicelist.dead.{reason}"));
@@ -417,16 +416,27 @@ async fn health_endpoints(backend: Backend) {
     })
     .await;
     assert_eq!(common::http_status(addr, "/healthz").await, 200);
+    // An event committed while NATS is away waits in the outbox...
+    let payload = common::leave_in_outbox(env.db(), ALICE).await;
     env.nats.restart().await;
     common::eventually(Duration::from_secs(20), "readyz 200 again", || async {
         (common::http_status(addr, "/readyz").await == 200).then_some(())
     })
     .await;
-    let outbox = key_change_outbox::Entity::find()
-        .count(env.db())
-        .await
-        .unwrap();
-    assert_eq!(outbox, 0);
+    // ...and is published once it is back, without a restart of the worker.
+    let js = env.nats.js().await;
+    let published = common::wait_stream(&js, "KEY_CHANGE", 1).await;
+    assert_eq!(published.len(), 1);
+    assert_eq!(published[0].json, payload);
+    assert_eq!(published[0].header("user_id"), Some(ALICE));
+    common::eventually(Duration::from_secs(10), "the outbox emptied", || async {
+        let left = key_change_outbox::Entity::find()
+            .count(env.db())
+            .await
+            .ok()?;
+        (left == 0).then_some(())
+    })
+    .await;
 }
 both_backends!(health, health_endpoints);
 
@@ -444,8 +454,8 @@ async fn adopts_a_homeserver_owned_stream(backend: Backend) {
     .await
     .unwrap();
     let mut config = common::config(&nats, &db);
-    config.input.update = "DendriteInputDeviceListUpdate".into();
-    let worker = worker::start(config, Faults::default()).await.unwrap();
+    config.settings.input_update_subject = "DendriteInputDeviceListUpdate".into();
+    let worker = worker::start(config).await.unwrap();
     let body = json!({"user_id": ALICE, "device_id": "D1", "stream_id": 2, "prev_id": [1],
                       "deleted": false, "keys": {"k": 1}});
     publish(

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::{Backend, Nats, TestDb, publish};
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
-use device_list_updater::worker::{self, Faults};
+use device_list_updater::worker;
 use serde_json::json;
 
 const ALICE: &str = "@alice:remote.example";
@@ -22,7 +22,7 @@ async fn metrics_follow_the_work(backend: Backend) {
         ALICE,
         vec![Reply::Json(device_list(ALICE, 4, &[("D1", "Phone")]))],
     );
-    let running = worker::start(config, Faults::default()).await.unwrap();
+    let running = worker::start(config).await.unwrap();
     let js = nats.js().await;
     publish(&js, "devicelist.in.update", "not json", None).await;
     publish(

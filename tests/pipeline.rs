@@ -53,15 +53,17 @@ async fn later_batch_waits_for_earlier(backend: common::Backend) {
     let (first, baton) = Turn::after(None);
     let (second, _next) = Turn::after(Some(baton));
     let second_batch = [update(2, &[1])];
-    let later = {
+    let mut later = {
         let store = store.clone();
         tokio::spawn(async move { store.apply_batch_in_turn(&second_batch, 0, second).await })
     };
-    // Give the later batch every chance to run ahead if it could.
-    tokio::task::yield_now().await;
+    // The later batch must not commit on its own: given far longer than a
+    // commit takes, it is still waiting for its turn. (Were it to run ahead,
+    // it would also see the gap and mark the user stale, checked below.)
+    let ran_ahead = tokio::time::timeout(Duration::from_millis(500), &mut later).await;
     assert!(
-        !later.is_finished(),
-        "the later batch must wait for the earlier one"
+        ran_ahead.is_err(),
+        "the later batch committed before the earlier one: {ran_ahead:?}"
     );
     let earlier = store
         .apply_batch_in_turn(&[update(1, &[0])], 0, first)

@@ -8,7 +8,7 @@ use std::time::Duration;
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::{PullConsumer, pull};
 use common::{Backend, Nats, TestDb, publish, wait_input_drained, wait_stream};
-use device_list_updater::worker::{self, Faults};
+use device_list_updater::worker;
 use futures::StreamExt as _;
 use sea_orm::{ConnectionTrait, EntityTrait};
 use serde_json::json;
@@ -51,9 +51,7 @@ async fn a_refused_message_is_dead_lettered_alone(backend: Backend) {
     publish(&js, "devicelist.in.update", &deletion("GOOD1", 1), None).await;
     publish(&js, "devicelist.in.update", &deletion("POISON", 2), None).await;
     publish(&js, "devicelist.in.update", &deletion("GOOD2", 3), None).await;
-    let running = worker::start(common::config(&nats, &db), Faults::default())
-        .await
-        .unwrap();
+    let running = worker::start(common::config(&nats, &db)).await.unwrap();
     let dead = wait_stream(&js, "DEVICE_LIST_DEAD", 1).await;
     assert_eq!(dead[0].subject, "devicelist.dead.unprocessable");
     assert!(dead[0].header("error").unwrap().contains("poison device"));
@@ -83,16 +81,16 @@ async fn a_message_delivered_too_often_is_dead_lettered(backend: Backend) {
             "device-list-updater-input",
             pull::Config {
                 durable_name: Some("device-list-updater-input".into()),
-                filter_subjects: config.input.all(),
-                max_deliver: config.max_deliver,
-                ack_wait: config.ack_wait,
+                filter_subjects: config.settings.input_subjects().all(),
+                max_deliver: config.settings.max_deliver,
+                ack_wait: config.settings.ack_wait,
                 ..Default::default()
             },
         )
         .await
         .unwrap();
     publish(&js, "devicelist.in.update", &deletion("TIRED", 1), None).await;
-    for _ in 1..config.max_deliver {
+    for _ in 1..config.settings.max_deliver {
         let mut batch = consumer
             .fetch()
             .max_messages(1)
@@ -104,7 +102,7 @@ async fn a_message_delivered_too_often_is_dead_lettered(backend: Backend) {
         message.ack_with(AckKind::Nak(None)).await.unwrap();
     }
     publish(&js, "devicelist.in.update", &deletion("FRESH", 2), None).await;
-    let running = worker::start(config, Faults::default()).await.unwrap();
+    let running = worker::start(config).await.unwrap();
     let dead = wait_stream(&js, "DEVICE_LIST_DEAD", 1).await;
     assert_eq!(dead[0].subject, "devicelist.dead.max_deliver");
     wait_input_drained(&js).await;

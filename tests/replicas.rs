@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::{Backend, Nats, TestDb, wait_input_drained, wait_stream};
-use device_list_updater::worker::{self, Faults};
+use device_list_updater::worker;
 use entity::{remote_user, stale_user};
 use sea_orm::{ActiveValue::Set, EntityTrait, PaginatorTrait};
 use serde_json::json;
@@ -41,9 +41,7 @@ async fn two_workers_keep_per_user_order(backend: Backend) {
     let nats = Nats::start().await;
     let db = TestDb::new(backend).await;
     let js = nats.js().await;
-    let first = worker::start(common::config(&nats, &db), Faults::default())
-        .await
-        .unwrap();
+    let first = worker::start(common::config(&nats, &db)).await.unwrap();
     // every user is known up to stream id 0, as after a fetch
     let users: Vec<_> = (0..USERS)
         .map(|i| remote_user::ActiveModel {
@@ -62,9 +60,7 @@ async fn two_workers_keep_per_user_order(backend: Backend) {
     // the first worker takes the pin; the second starts on standby
     publish_round(&js, 1).await;
     wait_stream(&js, "KEY_CHANGE", USERS as u64).await;
-    let second = worker::start(common::config(&nats, &db), Faults::default())
-        .await
-        .unwrap();
+    let second = worker::start(common::config(&nats, &db)).await.unwrap();
     for round in 2..=ROUNDS / 2 {
         publish_round(&js, round).await;
     }

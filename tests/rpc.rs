@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use common::{Backend, Nats, TestDb};
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_keys, device_list};
-use device_list_updater::worker::{self, Faults, Running};
+use device_list_updater::worker::{self, Running};
 use serde_json::{Value, json};
 
 const ALICE: &str = "@alice:remote.example";
@@ -27,7 +27,7 @@ impl Env {
         let mut config = common::config(&nats, &db);
         let fleet = MockFederation::trusting(&config, Duration::ZERO).await;
         fleet.serve(&mut config, ["remote.example", "hangs.example"]);
-        let worker = worker::start(config, Faults::default()).await.unwrap();
+        let worker = worker::start(config).await.unwrap();
         let client = nats.client().await;
         Env {
             _nats: nats,

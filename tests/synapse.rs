@@ -21,7 +21,7 @@ use common::{Backend, Nats, TestDb};
 use device_list_updater::config::Config;
 use device_list_updater::signing_key::SigningKey;
 use device_list_updater::store::query::UserView;
-use device_list_updater::worker::{self, Faults, Running};
+use device_list_updater::worker::{self, Running};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tokio::process::{Child, Command};
@@ -151,7 +151,7 @@ fn config(nats: &Nats, db: &TestDb, synapse: &Synapse, key: SigningKey) -> Confi
     let mut config = common::config(nats, db);
     config.server_name = synapse.our_name.as_str().try_into().expect("server name");
     config.signing_key = key;
-    config.federation_overrides = [(
+    config.settings.federation_overrides = [(
         SYNAPSE_NAME.try_into().expect("name"),
         format!("http://127.0.0.1:{}", synapse.port),
     )]
@@ -243,7 +243,7 @@ async fn synapse_lists(backend: Backend, names_over_federation: bool) {
     // Signed with a key our key server does not serve: Synapse fetches our
     // key, cannot verify, answers 401, and nothing is stored.
     let wrong = SigningKey::generate().expect("key");
-    let running = worker::start(config(&nats, &db, &synapse, wrong), Faults::default())
+    let running = worker::start(config(&nats, &db, &synapse, wrong))
         .await
         .expect("worker starts");
     let refused = resync(&client, ALICE, 1_000).await;
@@ -262,7 +262,7 @@ async fn synapse_lists(backend: Backend, names_over_federation: bool) {
     running.stop(Duration::from_secs(10)).await;
 
     // Signed right: every user fetched, as Synapse holds them.
-    let running = worker::start(config(&nats, &db, &synapse, key), Faults::default())
+    let running = worker::start(config(&nats, &db, &synapse, key))
         .await
         .expect("worker starts");
     for user in [ALICE, BOB, CAROL] {

@@ -1,7 +1,7 @@
 //! Any text as a cross-signing key object: the check answers, never panics.
 #![no_main]
 
-use device_list_updater::decide::cross_signing::{KeyUsage, check};
+use device_list_updater::input::cross_signing::{KeyUsage, check};
 use libfuzzer_sys::fuzz_target;
 use ruma::UserId;
 

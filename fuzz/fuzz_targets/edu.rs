@@ -11,12 +11,9 @@ fuzz_target!(|data: &[u8]| {
     let Some((&selector, body)) = data.split_first() else {
         return;
     };
-    let kind = match selector % 3 {
-        0 => InputKind::Update,
-        1 => InputKind::SigningKey,
-        _ => InputKind::Resync,
-    };
-    let origin = match selector / 3 % 3 {
+    let kinds = InputKind::ALL;
+    let kind = kinds[usize::from(selector) % kinds.len()];
+    let origin = match usize::from(selector) / kinds.len() % 3 {
         0 => None,
         1 => Some("remote.example"),
         _ => Some("other.example"),

@@ -6,6 +6,7 @@ use async_nats::jetstream::Context;
 use async_nats::jetstream::context::PublishAckFuture;
 use bytes::Bytes;
 
+use super::BusError;
 use crate::input::DeadReason;
 
 /// One message to dead-letter.
@@ -27,7 +28,7 @@ pub struct DeadLetter<'a> {
 }
 
 /// Publishes a dead letter; the returned future resolves when it is stored.
-pub async fn publish(js: &Context, dead: DeadLetter<'_>) -> Result<PublishAckFuture, String> {
+pub async fn publish(js: &Context, dead: DeadLetter<'_>) -> Result<PublishAckFuture, BusError> {
     let mut headers = HeaderMap::new();
     if let Some(original) = dead.headers {
         for (name, values) in original.iter() {
@@ -48,7 +49,7 @@ pub async fn publish(js: &Context, dead: DeadLetter<'_>) -> Result<PublishAckFut
         dead.body,
     )
     .await
-    .map_err(|e| format!("cannot publish dead letter: {e}"))
+    .map_err(BusError::jetstream("cannot publish a dead letter"))
 }
 
 /// Header values cannot hold line breaks.

@@ -1,16 +1,26 @@
-//! Fetch jobs: one pending message per remote server in `DEVICE_LIST_FETCH`.
+//! Fetch jobs: one pending message per remote server in `DEVICE_LIST_FETCH`,
+//! and the durable consumer all replicas share.
 //!
-//! Subject: `devicelist.fetch.<partition>.<server token>`. The token is the
-//! server name with `.` replaced by `_` (reversible: `_` cannot occur in a
-//! server name); the partition (FNV-1a of the name, modulo
-//! [`FETCH_PARTITIONS`]) lets fetch consumers shard the queue.
+//! Subject: `devicelist.fetch.<server token>`. The token is the server name
+//! with `.` replaced by `_` (`.` separates subject tokens; `_` cannot occur
+//! in a server name, so two servers never share a subject).
+
+use std::time::Duration;
 
 use async_nats::jetstream::Context;
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::{ErrorCode, stream::LastRawMessageErrorKind};
 use ruma::{OwnedServerName, ServerName};
 use serde::{Deserialize, Serialize};
 
-/// Number of fetch-job partitions.
-pub const FETCH_PARTITIONS: u32 = 16;
+use super::BusError;
+use super::streams::FETCH_STREAM;
+
+/// Durable name of the fetch-job consumer, shared by all replicas.
+pub const FETCH_CONSUMER: &str = "device-list-updater-fetch";
+/// Jobs that may be pending (delivered, or NAK-delayed) at once.
+const MAX_PENDING_JOBS: i64 = 1_000_000;
 
 /// Body of a fetch job.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -19,35 +29,46 @@ pub struct FetchJob {
     pub server_name: OwnedServerName,
 }
 
-/// FNV-1a (32 bit), a stable hash for partitioning.
-fn fnv1a(bytes: &[u8]) -> u32 {
-    bytes.iter().fold(0x811c_9dc5_u32, |hash, &b| {
-        (hash ^ u32::from(b)).wrapping_mul(0x0100_0193)
-    })
-}
-
-/// The partition of a server.
-pub fn partition(server: &ServerName) -> u32 {
-    fnv1a(server.as_bytes()) % FETCH_PARTITIONS
-}
-
-/// The subject token of a server name.
-pub fn server_token(server: &ServerName) -> String {
-    server.as_str().replace('.', "_")
-}
-
-/// The server name of a subject token.
-pub fn server_from_token(token: &str) -> Option<OwnedServerName> {
-    OwnedServerName::try_from(token.replace('_', ".")).ok()
-}
-
 /// The job subject of a server.
 pub fn subject(server: &ServerName) -> String {
-    format!(
-        "devicelist.fetch.{}.{}",
-        partition(server),
-        server_token(server)
-    )
+    format!("devicelist.fetch.{}", server.as_str().replace('.', "_"))
+}
+
+/// Creates (or opens) the shared fetch-job consumer. A job whose replica
+/// stops sending progress acks (it died) is redelivered after `ack_wait`.
+pub async fn consumer(js: &Context, ack_wait: Duration) -> Result<PullConsumer, BusError> {
+    let stream = js
+        .get_stream(FETCH_STREAM)
+        .await
+        .map_err(BusError::jetstream(format!(
+            "cannot open stream {FETCH_STREAM}"
+        )))?;
+    let config = pull::Config {
+        durable_name: Some(FETCH_CONSUMER.into()),
+        description: Some("device-list-updater: per-server fetch jobs".into()),
+        ack_policy: AckPolicy::Explicit,
+        ack_wait,
+        // Jobs are retried for as long as the server fails, with back-off.
+        max_deliver: -1,
+        max_ack_pending: MAX_PENDING_JOBS,
+        ..Default::default()
+    };
+    stream
+        .get_or_create_consumer(FETCH_CONSUMER, config)
+        .await
+        .map_err(BusError::jetstream(format!(
+            "cannot create consumer {FETCH_CONSUMER}"
+        )))
+}
+
+/// Whether a refused publish means "this server has a pending job already":
+/// the stream keeps one message per subject and refuses a second with a
+/// store failure (JetStream error 10077, the only store limit it has).
+fn already_queued(e: &async_nats::jetstream::context::PublishError) -> bool {
+    e.kind() == PublishErrorKind::Other
+        && std::error::Error::source(e)
+            .and_then(|source| source.downcast_ref::<async_nats::jetstream::Error>())
+            .is_some_and(|e| e.error_code() == ErrorCode::STREAM_STORE_FAILED)
 }
 
 /// Enqueues one job per server. A server that already has a pending job is
@@ -55,7 +76,7 @@ pub fn subject(server: &ServerName) -> String {
 pub async fn enqueue<'a>(
     js: &Context,
     servers: impl IntoIterator<Item = &'a OwnedServerName>,
-) -> Result<(), String> {
+) -> Result<(), BusError> {
     let mut acks = Vec::new();
     for server in servers {
         let body = serde_json::to_vec(&FetchJob {
@@ -65,14 +86,20 @@ pub async fn enqueue<'a>(
         let ack = js
             .publish(subject(server), body.into())
             .await
-            .map_err(|e| format!("cannot enqueue fetch job for {server}: {e}"))?;
+            .map_err(BusError::jetstream(format!(
+                "cannot enqueue the fetch job of {server}"
+            )))?;
         acks.push((server, ack));
     }
     for (server, ack) in acks {
         match ack.await {
             Ok(_) => {}
-            Err(e) if e.to_string().contains("maximum messages per subject") => {}
-            Err(e) => return Err(format!("fetch job for {server} not stored: {e}")),
+            Err(e) if already_queued(&e) => {}
+            Err(e) => {
+                return Err(BusError::jetstream(format!(
+                    "the fetch job of {server} was not stored"
+                ))(e));
+            }
         }
     }
     Ok(())
@@ -83,12 +110,13 @@ pub async fn enqueue<'a>(
 /// deleted, which JetStream treats as the end of its delivery, and a new job
 /// is published. Only for a job that is waiting, never for one that runs:
 /// the caller has ended the wait in the database first.
-pub async fn replace(js: &Context, server: &OwnedServerName) -> Result<(), String> {
-    use async_nats::jetstream::stream::LastRawMessageErrorKind;
+pub async fn replace(js: &Context, server: &OwnedServerName) -> Result<(), BusError> {
     let stream = js
-        .get_stream(crate::bus::streams::FETCH_STREAM)
+        .get_stream(FETCH_STREAM)
         .await
-        .map_err(|e| format!("cannot open the fetch stream: {e}"))?;
+        .map_err(BusError::jetstream(format!(
+            "cannot open stream {FETCH_STREAM}"
+        )))?;
     match stream
         .get_last_raw_message_by_subject(&subject(server))
         .await
@@ -98,7 +126,11 @@ pub async fn replace(js: &Context, server: &OwnedServerName) -> Result<(), Strin
             let _ = stream.delete_message(pending.sequence).await;
         }
         Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => {}
-        Err(e) => return Err(format!("cannot find the fetch job of {server}: {e}")),
+        Err(e) => {
+            return Err(BusError::jetstream(format!(
+                "cannot find the fetch job of {server}"
+            ))(e));
+        }
     }
     enqueue(js, [server]).await
 }
@@ -108,24 +140,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tokens_round_trip_and_partitions_are_stable() {
-        for name in [
+    fn every_server_has_its_own_subject() {
+        let subjects: std::collections::BTreeSet<String> = [
             "matrix.org",
+            "matrix.org:8448",
             "example.com:8448",
             "[::1]:8448",
             "1.2.3.4",
             "a-b.c",
-        ] {
-            let server = <&ServerName>::try_from(name).unwrap();
-            assert!(!server_token(server).contains('.'));
-            assert_eq!(
-                server_from_token(&server_token(server)).as_deref(),
-                Some(server)
-            );
-            assert_eq!(partition(server), partition(server));
-            assert!(partition(server) < FETCH_PARTITIONS);
-        }
-        let server = <&ServerName>::try_from("matrix.org").unwrap();
-        assert!(subject(server).ends_with(".matrix_org"));
+        ]
+        .iter()
+        .map(|name| subject(<&ServerName>::try_from(*name).unwrap()))
+        .collect();
+        assert_eq!(subjects.len(), 6);
+        assert!(subjects.contains("devicelist.fetch.matrix_org"));
+        // One subject token: no dot after the prefix.
+        assert!(
+            subjects
+                .iter()
+                .all(|s| s["devicelist.fetch.".len()..].find('.').is_none())
+        );
     }
 }

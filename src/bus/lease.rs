@@ -13,13 +13,15 @@ use std::time::Duration;
 use async_nats::jetstream::Context;
 use async_nats::jetstream::kv::{self, Store};
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
+
+use super::BusError;
+use crate::shutdown::AbortOnDrop;
 
 /// Bucket of leases.
 pub const BUCKET: &str = "device_list_updater_leases";
 
 /// Opens the lease bucket, creating it with `ttl` as the lease length.
-pub async fn bucket(js: &Context, ttl: Duration) -> Result<Store, String> {
+pub async fn bucket(js: &Context, ttl: Duration) -> Result<Store, BusError> {
     if let Ok(store) = js.get_key_value(BUCKET).await {
         return Ok(store);
     }
@@ -31,16 +33,20 @@ pub async fn bucket(js: &Context, ttl: Duration) -> Result<Store, String> {
         ..Default::default()
     })
     .await
-    .map_err(|e| format!("cannot create KV bucket {BUCKET}: {e}"))
+    .map_err(BusError::jetstream(format!(
+        "cannot create KV bucket {BUCKET}"
+    )))
 }
 
-/// A held lease, renewed in the background until released or lost.
+/// A held lease, renewed in the background until released, lost or
+/// dropped (the renewer never outlives its lease).
 pub struct Lease {
     store: Store,
     key: String,
     lost: Arc<AtomicBool>,
     revision: watch::Receiver<u64>,
-    renewer: JoinHandle<()>,
+    /// Renews until the lease is released, lost or dropped.
+    _renewer: AbortOnDrop,
 }
 
 impl Lease {
@@ -54,7 +60,7 @@ impl Lease {
         let revision = store.create(key, holder.to_owned().into()).await.ok()?;
         let lost = Arc::new(AtomicBool::new(false));
         let (tx, rx) = watch::channel(revision);
-        let renewer = tokio::spawn(renew(
+        let renewer = AbortOnDrop::spawn(renew(
             store.clone(),
             key.to_owned(),
             holder.to_owned(),
@@ -68,7 +74,7 @@ impl Lease {
             key: key.to_owned(),
             lost,
             revision: rx,
-            renewer,
+            _renewer: renewer,
         })
     }
 
@@ -79,7 +85,8 @@ impl Lease {
 
     /// Gives the lease up so a standby can take over at once.
     pub async fn release(self) {
-        self.renewer.abort();
+        // Dropping `self` at the end stops the renewer; a renewal racing
+        // with the delete fails on the revision and changes nothing.
         if !self.is_lost() {
             let revision = *self.revision.borrow();
             let _ = self

@@ -15,17 +15,18 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::Context;
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use super::BusError;
+use crate::faults::{Fault, Faults};
 use crate::metrics::Metrics;
 use crate::store::Store;
 use crate::store::outbox::{OutboxBatch, OutboxEvent};
-use crate::worker::Faults;
 
-/// Rows read from the table per round.
 /// Publishes awaiting their ack at most, well below async-nats' limit.
 const ACKS_IN_FLIGHT: usize = 1024;
+/// Rows read from the table per round.
 const ROUND: u64 = 100;
 /// Committed batches that may wait in memory before writers wait.
 const QUEUE: usize = 256;
@@ -36,12 +37,22 @@ const SWEEP_EVERY: Duration = Duration::from_secs(5);
 /// Longest pause between tries after a failure.
 const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
 
+/// Why events could not be published (they stay in the table).
+#[derive(Debug, thiserror::Error)]
+pub enum OutboxError {
+    /// Reading or deleting rows.
+    #[error("database: {0}")]
+    Database(#[from] sea_orm::DbErr),
+    /// Publishing or its ack.
+    #[error(transparent)]
+    Bus(#[from] BusError),
+}
+
 /// Hands committed batches to the publisher. The publisher stops (after a
 /// last sweep of the table) once every handle is dropped.
 #[derive(Clone)]
 pub struct OutboxHandle {
     queue: mpsc::Sender<OutboxBatch>,
-    sweep: Arc<Notify>,
 }
 
 impl OutboxHandle {
@@ -49,11 +60,6 @@ impl OutboxHandle {
     /// the rows stay in the table for the next start.
     pub async fn committed(&self, batch: OutboxBatch) {
         let _ = self.queue.send(batch).await;
-    }
-
-    /// Asks for a read of the table (rows were written without a batch in hand).
-    pub fn sweep(&self) {
-        self.sweep.notify_one();
     }
 }
 
@@ -63,7 +69,6 @@ pub struct Publisher {
     js: Context,
     instance_id: Arc<str>,
     queue: mpsc::Receiver<OutboxBatch>,
-    sweep: Arc<Notify>,
     faults: Faults,
     metrics: Metrics,
 }
@@ -78,17 +83,15 @@ impl Publisher {
         metrics: Metrics,
     ) -> (Publisher, OutboxHandle) {
         let (tx, rx) = mpsc::channel(QUEUE);
-        let sweep = Arc::new(Notify::new());
         let publisher = Publisher {
             store,
             js,
             instance_id: instance_id.into(),
             queue: rx,
-            sweep: sweep.clone(),
             faults,
             metrics,
         };
-        (publisher, OutboxHandle { queue: tx, sweep })
+        (publisher, OutboxHandle { queue: tx })
     }
 
     /// Runs until every [`OutboxHandle`] is dropped, then sweeps the table once
@@ -139,7 +142,6 @@ impl Publisher {
                     }
                     None => break,
                 },
-                () = self.sweep.notified() => must_sweep = true,
                 () = tokio::time::sleep_until(last_sweep + SWEEP_EVERY) => {}
             }
         }
@@ -150,15 +152,11 @@ impl Publisher {
 
     /// Publishes every row of the table in id order; returns how many events
     /// were sent.
-    pub async fn sweep_table(&self) -> Result<usize, String> {
+    pub async fn sweep_table(&self) -> Result<usize, OutboxError> {
         let mut sent = 0;
         let mut after = 0;
         loop {
-            let batches = self
-                .store
-                .outbox_pending(after, ROUND)
-                .await
-                .map_err(|e| e.to_string())?;
+            let batches = self.store.outbox_pending(after, ROUND).await?;
             let Some(last) = batches.last() else {
                 return Ok(sent);
             };
@@ -169,7 +167,7 @@ impl Publisher {
 
     /// Publishes batches in order, waits for the stream's acks, deletes
     /// their rows.
-    async fn publish(&self, batches: &[OutboxBatch]) -> Result<usize, String> {
+    async fn publish(&self, batches: &[OutboxBatch]) -> Result<usize, OutboxError> {
         let mut acks = Vec::with_capacity(ACKS_IN_FLIGHT);
         let mut sent = 0;
         // Collected first: a lazy iterator held across awaits trips the
@@ -191,7 +189,7 @@ impl Publisher {
                 .js
                 .publish_with_headers(event.subject.clone(), headers, event.payload.clone().into())
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(BusError::jetstream("cannot publish a key change"))?;
             acks.push(ack);
             sent += 1;
             // async-nats lends each publish a permit (5,000 in all) until
@@ -200,17 +198,14 @@ impl Publisher {
             // easily has more (found by tests/faults.rs).
             if acks.len() == ACKS_IN_FLIGHT {
                 for ack in acks.drain(..) {
-                    ack.await.map_err(|e| e.to_string())?;
+                    ack.await.map_err(not_stored)?;
                 }
             }
         }
         for ack in acks {
-            ack.await.map_err(|e| e.to_string())?;
+            ack.await.map_err(not_stored)?;
         }
-        if self.faults.crash_after_publish {
-            tracing::error!("fault injection: crashing after publish, before outbox delete");
-            std::process::abort();
-        }
+        self.faults.crash_point(Fault::CrashAfterPublish);
         let now = std::time::SystemTime::now();
         for batch in batches {
             let (source, latency) = match batch.origin {
@@ -221,10 +216,12 @@ impl Publisher {
                 .published(batch.events.len(), source, latency.map(|d| d.as_secs_f64()));
         }
         let ids: Vec<i64> = batches.iter().map(|b| b.id).collect();
-        self.store
-            .outbox_delete(&ids)
-            .await
-            .map_err(|e| e.to_string())?;
+        self.store.outbox_delete(&ids).await?;
         Ok(sent)
     }
+}
+
+/// A key change `KEY_CHANGE` did not acknowledge.
+fn not_stored(e: async_nats::jetstream::context::PublishError) -> BusError {
+    BusError::jetstream("a key change was not stored")(e)
 }

@@ -8,6 +8,8 @@ use async_nats::jetstream::consumer::{AckPolicy, pull};
 use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy};
 use async_nats::jetstream::{self, Context};
 
+use super::BusError;
+
 /// Input stream created when no stream captures the input subjects.
 pub const INPUT_STREAM: &str = "DEVICE_LIST_INPUT";
 /// Key-change output stream.
@@ -88,7 +90,7 @@ pub async fn ensure_subjects(
     js: &Context,
     subjects: &[String],
     fallback: stream::Config,
-) -> Result<BTreeMap<String, Vec<String>>, String> {
+) -> Result<BTreeMap<String, Vec<String>>, BusError> {
     let mut by_stream: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let mut missing = Vec::new();
     for subject in subjects {
@@ -108,7 +110,7 @@ pub async fn ensure_subjects(
         let name = config.name.clone();
         js.get_or_create_stream(config)
             .await
-            .map_err(|e| format!("cannot create stream {name}: {e}"))?;
+            .map_err(BusError::jetstream(format!("cannot create stream {name}")))?;
         by_stream.entry(name).or_default().extend(missing);
     }
     Ok(by_stream)
@@ -119,7 +121,7 @@ pub async fn ensure_subjects(
 pub async fn ensure_all(
     js: &Context,
     input_subjects: &[String],
-) -> Result<BTreeMap<String, Vec<String>>, String> {
+) -> Result<BTreeMap<String, Vec<String>>, BusError> {
     let outputs = [
         (
             vec![
@@ -132,10 +134,7 @@ pub async fn ensure_all(
             vec!["devicelist.dead.not_json".to_owned()],
             dead_stream_config(),
         ),
-        (
-            vec!["devicelist.fetch.0.x".to_owned()],
-            fetch_stream_config(),
-        ),
+        (vec!["devicelist.fetch.x".to_owned()], fetch_stream_config()),
     ];
     for (subjects, config) in outputs {
         ensure_subjects(js, &subjects, config).await?;
@@ -161,11 +160,13 @@ pub async fn input_consumer(
     stream_name: &str,
     subjects: &[String],
     settings: &InputConsumerSettings,
-) -> Result<jetstream::consumer::Consumer<pull::Config>, String> {
+) -> Result<jetstream::consumer::Consumer<pull::Config>, BusError> {
     let stream = js
         .get_stream(stream_name)
         .await
-        .map_err(|e| format!("cannot open stream {stream_name}: {e}"))?;
+        .map_err(BusError::jetstream(format!(
+            "cannot open stream {stream_name}"
+        )))?;
     let config = pull::Config {
         durable_name: Some(INPUT_CONSUMER.into()),
         description: Some("device-list-updater: device-list and signing-key updates".into()),
@@ -179,7 +180,9 @@ pub async fn input_consumer(
     stream
         .get_or_create_consumer(INPUT_CONSUMER, config)
         .await
-        .map_err(|e| format!("cannot create consumer {INPUT_CONSUMER} on {stream_name}: {e}"))
+        .map_err(BusError::jetstream(format!(
+            "cannot create consumer {INPUT_CONSUMER} on {stream_name}"
+        )))
 }
 
 #[cfg(test)]

@@ -5,10 +5,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use ruma::{OwnedDeviceId, OwnedServerName, OwnedUserId, UserId};
 
-use super::cross_signing::KeyUsage;
 use super::device::{DeviceRow, is_visible_change, same_json};
 use super::known_ids::KnownStreamIds;
 use super::rules::{UpdateDecision, decide_update};
+use crate::input::cross_signing::KeyUsage;
 use crate::input::{DeviceListUpdate, InputMessage, SigningKeyUpdate};
 use crate::key_change::{CrossSigningChange, DeviceChange, KeyChange};
 

@@ -2,7 +2,6 @@
 //! §5.4). Nothing here does I/O, so all of it is unit-tested in memory.
 
 pub mod batch;
-pub mod cross_signing;
 pub mod device;
 pub mod fetched;
 pub mod known_ids;

@@ -9,6 +9,7 @@
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 
+use super::federation::ClientError;
 use super::guard;
 
 /// Port used when no SRV record names one.
@@ -88,11 +89,11 @@ pub struct HickoryDns {
 
 impl HickoryDns {
     /// A resolver configured like the system's (`/etc/resolv.conf`).
-    pub fn from_system() -> Result<HickoryDns, String> {
+    pub fn from_system() -> Result<HickoryDns, ClientError> {
         let resolver = hickory_resolver::TokioResolver::builder_tokio()
-            .map_err(|e| format!("cannot read the system DNS configuration: {e}"))?
+            .map_err(|e| ClientError::Dns(Box::new(e)))?
             .build()
-            .map_err(|e| format!("cannot build the DNS resolver: {e}"))?;
+            .map_err(|e| ClientError::Dns(Box::new(e)))?;
         Ok(HickoryDns { resolver })
     }
 }

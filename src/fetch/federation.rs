@@ -155,6 +155,17 @@ impl reqwest::dns::Resolve for GuardedResolver {
     }
 }
 
+/// Why the federation client could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The system's DNS configuration is unusable.
+    #[error("cannot set up DNS from the system configuration: {0}")]
+    Dns(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// TLS or the HTTP client could not be built.
+    #[error("cannot build the federation client: {0}")]
+    Http(#[from] reqwest::Error),
+}
+
 /// Where a request goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Target {
@@ -166,7 +177,7 @@ struct Target {
 
 impl FederationClient {
     /// A client; fails only if TLS cannot be set up.
-    pub fn new(settings: FederationSettings) -> Result<FederationClient, String> {
+    pub fn new(settings: FederationSettings) -> Result<FederationClient, ClientError> {
         crate::tls::install_crypto_provider();
         let refused = Arc::new(AtomicU64::new(0));
         let discovered: Discoveries = Arc::default();
@@ -184,18 +195,14 @@ impl FederationClient {
                 refused: refused.clone(),
                 discovered: Some(discovered.clone()),
             }))
-            .build()
-            .map_err(|e| format!("cannot build the federation client: {e}"))?;
+            .build()?;
         let well_known_client = builder()
             .dns_resolver(Arc::new(GuardedResolver {
                 refused: refused.clone(),
                 discovered: None,
             }))
-            .build()
-            .map_err(|e| format!("cannot build the federation client: {e}"))?;
-        let direct = builder()
-            .build()
-            .map_err(|e| format!("cannot build the federation client: {e}"))?;
+            .build()?;
+        let direct = builder().build()?;
         Ok(FederationClient {
             origin: settings.origin,
             key: settings.key,

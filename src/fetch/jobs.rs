@@ -22,27 +22,23 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Context, Message};
 use ruma::{OwnedServerName, OwnedUserId};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::Semaphore;
 use tracing::Instrument as _;
 
 use super::federation::{FederationClient, FetchFailure};
 use super::retry::{Blame, FailureKind, RetryPolicy, blame, random_unit};
-use super::writer::FetchWriter;
+use super::writer::{FetchWriter, Written};
 use crate::bus::fetch_jobs::{self, FetchJob};
-use crate::bus::streams::FETCH_STREAM;
+use crate::shutdown::{AbortOnDrop, Shutdown};
 use crate::store::backoff::DueUser;
 use crate::store::fetched::FetchedUser;
 use crate::store::{Store, now_ms};
 
-/// Durable name of the fetch-job consumer, shared by all replicas.
-pub const FETCH_CONSUMER: &str = "device-list-updater-fetch";
 /// Stale users read per round of a job.
 const USERS_PER_ROUND: u64 = 100;
-/// Jobs that may be pending (delivered, or NAK-delayed) at once.
-const MAX_PENDING_JOBS: i64 = 1_000_000;
 /// How long one pull waits.
 const PULL_EXPIRY: Duration = Duration::from_secs(1);
 /// A job delivered this close to its server's wait end runs anyway (clock
@@ -50,29 +46,6 @@ const PULL_EXPIRY: Duration = Duration::from_secs(1);
 const EARLY_TOLERANCE_MS: i64 = 50;
 /// The wait after our own failure (the database did not answer).
 const LOCAL_RETRY: Duration = Duration::from_secs(1);
-
-/// Creates (or opens) the shared fetch-job consumer. A job whose replica
-/// stops sending progress acks (it died) is redelivered after `ack_wait`.
-pub async fn consumer(js: &Context, ack_wait: Duration) -> Result<PullConsumer, String> {
-    let stream = js
-        .get_stream(FETCH_STREAM)
-        .await
-        .map_err(|e| format!("cannot open stream {FETCH_STREAM}: {e}"))?;
-    let config = pull::Config {
-        durable_name: Some(FETCH_CONSUMER.into()),
-        description: Some("device-list-updater: per-server fetch jobs".into()),
-        ack_policy: AckPolicy::Explicit,
-        ack_wait,
-        // Jobs are retried for as long as the server fails, with back-off.
-        max_deliver: -1,
-        max_ack_pending: MAX_PENDING_JOBS,
-        ..Default::default()
-    };
-    stream
-        .get_or_create_consumer(FETCH_CONSUMER, config)
-        .await
-        .map_err(|e| format!("cannot create consumer {FETCH_CONSUMER}: {e}"))
-}
 
 /// Runs fetch jobs.
 #[derive(Clone)]
@@ -85,8 +58,6 @@ pub struct Fetcher {
     pub client: Arc<FederationClient>,
     /// Waits after failures.
     pub policy: RetryPolicy,
-    /// `DLU_MAX_DEVICES`.
-    pub max_devices: usize,
     /// Servers fetched at once by this replica.
     pub concurrency: usize,
     /// Stores fetched lists (and hands their events to the publisher).
@@ -123,17 +94,16 @@ enum JobEnd {
 impl Fetcher {
     /// Pulls and runs jobs until `shutdown` turns true; jobs in hand finish
     /// their current request and are given back.
-    pub async fn run(self, consumer: PullConsumer, shutdown: watch::Receiver<bool>) {
+    pub async fn run(self, consumer: PullConsumer, shutdown: Shutdown) {
         let permits = Arc::new(Semaphore::new(self.concurrency.max(1)));
         let mut running = tokio::task::JoinSet::new();
-        while !*shutdown.borrow() {
+        while !shutdown.is_requested() {
             let free = permits.available_permits();
             if free == 0 {
                 // Wait for a job to finish before asking for more.
-                let mut shutdown = shutdown.clone();
                 tokio::select! {
                     _ = running.join_next() => {}
-                    _ = shutdown.changed() => {}
+                    () = shutdown.requested() => {}
                 }
                 continue;
             }
@@ -169,7 +139,7 @@ impl Fetcher {
     }
 
     /// Runs one job message to its end: ack, NAK with delay, or give back.
-    async fn handle(&self, message: Message, shutdown: watch::Receiver<bool>) {
+    async fn handle(&self, message: Message, shutdown: Shutdown) {
         let job: FetchJob = match serde_json::from_slice(&message.payload) {
             Ok(job) => job,
             Err(e) => {
@@ -182,7 +152,7 @@ impl Fetcher {
         // Progress acks from the start: the database reads below can take a
         // while under load, and an expired ack wait would hand the job to a
         // second replica while this one still runs it.
-        let _keep_alive = KeepAlive(keep_alive(&message, self.ack_wait / 3));
+        let _keep_alive = keep_alive(&message, self.ack_wait / 3);
         // The server's wait as stored is the truth: a job that arrives early
         // (the rescan recreated a lost queue) waits out the rest.
         let wait = match self.store.server_wait(server).await {
@@ -230,7 +200,7 @@ impl Fetcher {
                 }
                 // Users marked stale while this job was in hand could not
                 // enqueue a second job for the server: look again.
-                match self.store.stale_users(server, 1).await {
+                match self.store.due_stale_users(server, i64::MAX, 1).await {
                     Ok(users) if !users.is_empty() => self.enqueue(server).await,
                     Ok(_) => {}
                     Err(e) => {
@@ -275,14 +245,14 @@ impl Fetcher {
         &self,
         server: &OwnedServerName,
         failures: u32,
-        shutdown: &watch::Receiver<bool>,
+        shutdown: &Shutdown,
     ) -> JobEnd {
         // A user still stale after its fetch (an update arrived meanwhile)
         // waits for the follow-up job, so one job cannot loop forever.
         let mut done: BTreeSet<OwnedUserId> = BTreeSet::new();
         let mut backing_off = failures > 0;
         loop {
-            if *shutdown.borrow() {
+            if shutdown.is_requested() {
                 return JobEnd::Interrupted;
             }
             let now = now_ms();
@@ -305,17 +275,16 @@ impl Fetcher {
                 return self.park_or_done(server).await;
             }
             for due in todo {
-                if *shutdown.borrow() {
+                if shutdown.is_requested() {
                     return JobEnd::Interrupted;
                 }
                 // On shutdown a request in flight is abandoned and the job
                 // given back at once, rather than holding the stop for up to
                 // DLU_FEDERATION_TIMEOUT. A list already handed to the writer
                 // is still stored by it.
-                let mut stop = shutdown.clone();
                 let result = tokio::select! {
                     result = self.fetch_user(&due.user, &due.mark) => result,
-                    _ = stop.wait_for(|s| *s) => return JobEnd::Interrupted,
+                    () = shutdown.requested() => return JobEnd::Interrupted,
                 };
                 let answered = result
                     .as_ref()
@@ -450,24 +419,27 @@ impl Fetcher {
         if unreadable > 0 {
             tracing::warn!(%user, unreadable, "left out unreadable device entries");
         }
-        let plan = self
+        let written = self
             .writer
             .store(FetchedUser {
                 user: user.clone(),
                 stale_at_start: Some(mark.clone()),
                 list,
             })
-            .await
-            .map_err(|e| {
-                FetchFailure::new(FailureKind::Local, format!("cannot store the list: {e}"))
-            })?
-            .map_err(|refusal| {
+            .await;
+        let plan = match written {
+            Written::Stored(plan) => plan,
+            Written::Refused(refusal) => {
                 self.metrics.fetch(server, "user_mismatch", seconds);
-                FetchFailure::new(
+                return Err(FetchFailure::new(
                     FailureKind::WrongUser,
                     format!("answer refused: {refusal:?}"),
-                )
-            })?;
+                ));
+            }
+            Written::Failed(e) => {
+                return Err(FetchFailure::new(FailureKind::Local, e.to_string()));
+            }
+        };
         self.metrics.fetch(
             server,
             if plan.too_many_devices.is_some() {
@@ -484,7 +456,7 @@ impl Fetcher {
             tracing::warn!(%user, keys = ?plan.skipped_keys, "ignored malformed cross-signing keys");
         }
         if let Some(count) = plan.too_many_devices {
-            tracing::warn!(%user, count, max = self.max_devices, "device list over DLU_MAX_DEVICES not stored");
+            tracing::warn!(%user, count, "device list over DLU_MAX_DEVICES not stored");
         }
         Ok(())
     }
@@ -502,20 +474,12 @@ fn failure_label(failure: &FetchFailure) -> &'static str {
     }
 }
 
-/// Stops the progress acks of a job when dropped, on every way out.
-struct KeepAlive(tokio::task::AbortHandle);
-
-impl Drop for KeepAlive {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// Sends progress acks, one at once and then every `every`, so a job
-/// survives slow servers; abort it when done.
-fn keep_alive(message: &Message, every: Duration) -> tokio::task::AbortHandle {
+/// survives slow servers, until the returned guard is dropped (on every way
+/// out of the job).
+fn keep_alive(message: &Message, every: Duration) -> AbortOnDrop {
     let message = message.clone();
-    tokio::spawn(async move {
+    AbortOnDrop::spawn(async move {
         // The first at once: the ack wait began when the server delivered
         // the job, which may have waited in the pull's buffer meanwhile.
         let mut tick = tokio::time::interval(every);
@@ -527,5 +491,4 @@ fn keep_alive(message: &Message, every: Duration) -> tokio::task::AbortHandle {
             }
         }
     })
-    .abort_handle()
 }

@@ -7,13 +7,15 @@
 //! * [`federation`]: the signed request, discovery and the guarded client;
 //! * [`jobs`]: the fetch-job consumer that ties them together;
 //! * [`writer`]: stores fetched lists in groups, one transaction each;
-//! * [`wake`]: input from a server ends its job's wait (rule pure).
+//! * [`wake`]: input from a server ends its job's wait (rule pure);
+//! * [`resync`]: a resync asked for outside the input stream.
 
 pub mod answer;
-pub mod discovery;
+pub(crate) mod discovery;
 pub mod federation;
-pub mod guard;
-pub mod jobs;
-pub mod retry;
-pub mod wake;
-pub mod writer;
+pub(crate) mod guard;
+pub(crate) mod jobs;
+pub(crate) mod resync;
+pub(crate) mod retry;
+pub(crate) mod wake;
+pub(crate) mod writer;

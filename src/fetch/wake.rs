@@ -21,7 +21,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::Context;
 use ruma::{OwnedServerName, ServerName};
-use tokio::sync::{Notify, watch};
+use tokio::sync::Notify;
+
+use crate::shutdown::Shutdown;
 
 use crate::bus::fetch_jobs;
 use crate::metrics::Metrics;
@@ -141,12 +143,12 @@ impl Wakeups {
         js: Context,
         min_gap: Duration,
         metrics: Metrics,
-        mut shutdown: watch::Receiver<bool>,
+        shutdown: Shutdown,
     ) {
         loop {
             tokio::select! {
                 () = self.inner.notify.notified() => {}
-                _ = shutdown.wait_for(|s| *s) => return,
+                () = shutdown.requested() => return,
             }
             let noted = self.take();
             if noted.is_empty() {
@@ -175,10 +177,21 @@ impl Wakeups {
             }
             tokio::select! {
                 () = tokio::time::sleep(ROUND_PAUSE) => {}
-                _ = shutdown.wait_for(|s| *s) => return,
+                () = shutdown.requested() => return,
             }
         }
     }
+}
+
+/// Why a wake-up round failed (it is retried with the next round).
+#[derive(Debug, thiserror::Error)]
+pub enum WakeError {
+    /// The database.
+    #[error(transparent)]
+    Database(#[from] sea_orm::DbErr),
+    /// Replacing the job.
+    #[error(transparent)]
+    Bus(#[from] crate::bus::BusError),
 }
 
 /// One check of `noted` servers (→ when heard from itself): ends the waits that
@@ -188,33 +201,22 @@ pub async fn wake_round(
     js: &Context,
     noted: &BTreeMap<OwnedServerName, Option<i64>>,
     min_gap: Duration,
-) -> Result<Vec<(OwnedServerName, Wake)>, String> {
+) -> Result<Vec<(OwnedServerName, Wake)>, WakeError> {
     let now = now_ms();
     let servers: Vec<&ServerName> = noted.keys().map(|s| &**s).collect();
-    let waiting = store
-        .waiting_servers(&servers, now)
-        .await
-        .map_err(|e| e.to_string())?;
+    let waiting = store.waiting_servers(&servers, now).await?;
     let mut woken = Vec::new();
     for wait in waiting {
         let Ok(server) = OwnedServerName::try_from(wait.server_name.as_str()) else {
             continue;
         };
         let heard = noted.get(&server).copied().flatten();
-        let due_user = wait.failures == 0
-            && store
-                .has_due_user(&server, now)
-                .await
-                .map_err(|e| e.to_string())?;
+        let due_user = wait.failures == 0 && store.has_due_user(&server, now).await?;
         let Some(wake) = wake_reason(&wait, now, min_gap, heard, due_user) else {
             continue;
         };
         let woken_at = (wake == Wake::BackOffEnded).then_some(now);
-        if !store
-            .end_server_wait(&wait, woken_at)
-            .await
-            .map_err(|e| e.to_string())?
-        {
+        if !store.end_server_wait(&wait, woken_at).await? {
             // Another replica woke it, or its job changed it: nothing to do.
             continue;
         }

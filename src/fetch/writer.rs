@@ -5,22 +5,53 @@
 
 use std::collections::BTreeSet;
 
+use std::future::Future;
+
+use sea_orm::DbErr;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::bus::publisher::OutboxHandle;
 use crate::decide::fetched::{FetchPlan, FetchRefusal};
-use crate::store::Store;
 use crate::store::fetched::FetchedUser;
+use crate::store::{Store, now_ms};
 
 /// Lists stored per transaction at most.
 const GROUP: usize = 256;
 
-/// What storing one list came to: stored, refused, or a database error.
-pub type WriteOutcome = Result<Result<FetchPlan, FetchRefusal>, String>;
+/// What storing one fetched list came to.
+#[derive(Debug)]
+pub enum Written {
+    /// Stored as planned (the plan says what was left out).
+    Stored(FetchPlan),
+    /// Refused by the rules: the answer is not this user's list.
+    Refused(FetchRefusal),
+    /// Not stored: our side failed.
+    Failed(WriteError),
+}
+
+/// Why a list could not be stored.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    /// The database refused or did not answer.
+    #[error("cannot store the list: {0}")]
+    Database(#[from] DbErr),
+    /// The writer task is gone (shutting down).
+    #[error("the fetch writer has stopped")]
+    Stopped,
+}
+
+impl From<Result<FetchPlan, FetchRefusal>> for Written {
+    fn from(planned: Result<FetchPlan, FetchRefusal>) -> Self {
+        match planned {
+            Ok(plan) => Written::Stored(plan),
+            Err(refusal) => Written::Refused(refusal),
+        }
+    }
+}
 
 struct Request {
     item: FetchedUser,
-    reply: oneshot::Sender<WriteOutcome>,
+    reply: oneshot::Sender<Written>,
 }
 
 /// Hands fetched lists to the writer task.
@@ -30,28 +61,31 @@ pub struct FetchWriter {
 }
 
 impl FetchWriter {
-    /// Starts the writer task; it ends when every handle is dropped.
-    pub fn start(store: Store, max_devices: usize, outbox: OutboxHandle) -> FetchWriter {
+    /// The writer and its task, for the caller to run (the worker keeps it
+    /// with its other tasks). The task ends once every handle is dropped and
+    /// what they handed over is stored.
+    pub fn new(
+        store: Store,
+        max_devices: usize,
+        outbox: OutboxHandle,
+    ) -> (FetchWriter, impl Future<Output = ()> + Send + 'static) {
         let (tx, rx) = mpsc::channel(GROUP * 4);
-        tokio::spawn(run(store, max_devices, outbox, rx));
-        FetchWriter { queue: tx }
+        (
+            FetchWriter { queue: tx },
+            run(store, max_devices, outbox, rx),
+        )
     }
 
     /// Stores one list (with others that arrive meanwhile) and returns what
     /// became of it once committed.
-    pub async fn store(&self, item: FetchedUser) -> WriteOutcome {
+    pub async fn store(&self, item: FetchedUser) -> Written {
         let (reply, answer) = oneshot::channel();
-        self.queue
-            .send(Request { item, reply })
-            .await
-            .map_err(|_| "the fetch writer has stopped".to_owned())?;
-        answer
-            .await
-            .map_err(|_| "the fetch writer has stopped".to_owned())?
+        if self.queue.send(Request { item, reply }).await.is_err() {
+            return Written::Failed(WriteError::Stopped);
+        }
+        answer.await.unwrap_or(Written::Failed(WriteError::Stopped))
     }
 }
-
-use crate::store::now_ms;
 
 async fn run(
     store: Store,
@@ -112,12 +146,12 @@ async fn write_group(
                 outbox.committed(batch).await;
             }
             for (request, outcome) in group.into_iter().zip(outcomes) {
-                let _ = request.reply.send(Ok(outcome));
+                let _ = request.reply.send(outcome.into());
             }
         }
         Err(e) if group.len() == 1 => {
-            for request in group {
-                let _ = request.reply.send(Err(e.to_string()));
+            if let Some(request) = group.into_iter().next() {
+                let _ = request.reply.send(Written::Failed(e.into()));
             }
         }
         Err(e) => {
@@ -131,11 +165,14 @@ async fn write_group(
                         if let Some(batch) = batch {
                             outbox.committed(batch).await;
                         }
-                        outcomes
-                            .pop()
-                            .ok_or_else(|| "no outcome for a stored list".to_owned())
+                        match outcomes.pop() {
+                            Some(outcome) => outcome.into(),
+                            None => Written::Failed(WriteError::Database(DbErr::Custom(
+                                "no outcome for a stored list".into(),
+                            ))),
+                        }
                     }
-                    Err(e) => Err(e.to_string()),
+                    Err(e) => Written::Failed(e.into()),
                 };
                 let _ = request.reply.send(outcome);
             }

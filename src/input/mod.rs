@@ -4,8 +4,10 @@
 //! whose user id, stream ids and fields are known to be well formed, or the
 //! message became a [`Rejection`] bound for the dead-letter stream.
 
+pub mod cross_signing;
 pub mod dead_letter;
 pub(crate) mod fields;
+pub mod kind;
 pub mod resync;
 pub mod signing_key;
 pub mod update;
@@ -14,23 +16,13 @@ use ruma::{ServerName, UserId};
 use serde::Deserialize;
 
 pub use dead_letter::{DeadReason, Rejection};
+pub use kind::{InputKind, InputSubjects};
 pub use resync::ResyncRequest;
 pub use signing_key::SigningKeyUpdate;
 pub use update::DeviceListUpdate;
 
 /// Largest accepted message body, in bytes (an EDU is capped at 64 KiB by most servers).
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
-
-/// Which input a message came from, decided by its subject.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum InputKind {
-    /// `devicelist.in.update`
-    Update,
-    /// `devicelist.in.signing_key`
-    SigningKey,
-    /// `devicelist.in.resync`
-    Resync,
-}
 
 /// A checked input message.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,6 +42,15 @@ impl InputMessage {
             InputMessage::Update(u) => &u.user_id,
             InputMessage::SigningKey(s) => &s.user_id,
             InputMessage::Resync(r) => &r.user_id,
+        }
+    }
+
+    /// Whether it is news from the user's server (an update of its devices
+    /// or keys), which may end that server's fetch back-off (SPEC §5.2).
+    pub fn heard_from_server(&self) -> bool {
+        match self {
+            InputMessage::Update(_) | InputMessage::SigningKey(_) => true,
+            InputMessage::Resync(_) => false,
         }
     }
 }
@@ -76,11 +77,7 @@ pub fn parse(
             format!("body has {} bytes, more than {MAX_BODY_BYTES}", body.len()),
         ));
     }
-    let message = match kind {
-        InputKind::Update => InputMessage::Update(DeviceListUpdate::parse(body)?),
-        InputKind::SigningKey => InputMessage::SigningKey(SigningKeyUpdate::parse(body)?),
-        InputKind::Resync => InputMessage::Resync(ResyncRequest::parse(body)?),
-    };
+    let message = kind.parse_body(body)?;
     let user_server = message.user_id().server_name();
     if let Some(origin) = origin
         && origin != user_server.as_str()

@@ -5,9 +5,9 @@ use serde::Deserialize;
 use serde_json::Value;
 use serde_json::value::RawValue;
 
+use super::cross_signing::{self, KeyUsage};
 use super::dead_letter::{DeadReason, Rejection};
 use super::fields;
-use crate::decide::cross_signing::{self, KeyUsage};
 
 /// A checked signing-key update: only well-formed keys survive.
 #[derive(Clone, Debug, PartialEq, Eq)]

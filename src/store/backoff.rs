@@ -12,7 +12,7 @@ use sea_orm::{
 };
 
 use super::Store;
-use super::fetched::stale_mark;
+use super::rows;
 use crate::decide::StaleMark;
 
 /// A stale user whose own wait is over.
@@ -49,9 +49,10 @@ impl Store {
         Ok(rows
             .into_iter()
             .filter_map(|row| {
+                let (user, mark) = rows::stale(&row)?;
                 Some(DueUser {
-                    user: OwnedUserId::try_from(row.user_id).ok()?,
-                    mark: stale_mark(row.marked_at_ms, &row.trigger_stream_ids),
+                    user,
+                    mark,
                     failures: u32::try_from(row.failures).unwrap_or(0),
                 })
             })

@@ -3,51 +3,18 @@
 use std::collections::BTreeMap;
 
 use entity::{cross_signing_key, remote_device, remote_user, stale_user};
-use ruma::{OwnedDeviceId, OwnedUserId, ServerName, UserId};
+use ruma::{OwnedUserId, UserId};
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DbErr, EntityTrait, QueryFilter, QueryOrder, QuerySelect,
 };
 
 use super::outbox::OutboxBatch;
+use super::rows::{self, CHUNK};
 use super::{Store, lock_users, write};
-use crate::decide::cross_signing::KeyUsage;
-use crate::decide::device::DeviceRow;
 use crate::decide::fetched::{FetchPlan, FetchRefusal, FetchedList, StoredUser, plan_fetch};
-use crate::decide::known_ids::KnownStreamIds;
-use crate::decide::{Plan, StaleMark, UserState};
-
-/// A fetched list that was stored.
-#[derive(Debug)]
-pub struct FetchStored {
-    /// What was written.
-    pub plan: FetchPlan,
-    /// Its events as recorded in the outbox (None: nothing changed).
-    pub outbox: Option<OutboxBatch>,
-}
+use crate::decide::{Plan, StaleMark};
 
 impl Store {
-    /// Users of `server` marked stale, oldest mark first, at most `limit`.
-    pub async fn stale_users(
-        &self,
-        server: &ServerName,
-        limit: u64,
-    ) -> Result<Vec<(OwnedUserId, StaleMark)>, DbErr> {
-        let rows = stale_user::Entity::find()
-            .filter(stale_user::Column::ServerName.eq(server.as_str()))
-            .order_by_asc(stale_user::Column::MarkedAtMs)
-            .order_by_asc(stale_user::Column::UserId)
-            .limit(limit)
-            .all(&self.db)
-            .await?;
-        Ok(rows
-            .into_iter()
-            .filter_map(|row| {
-                let user = OwnedUserId::try_from(row.user_id).ok()?;
-                Some((user, stale_mark(row.marked_at_ms, &row.trigger_stream_ids)))
-            })
-            .collect())
-    }
-
     /// Stale users per server.
     pub async fn stale_counts(&self) -> Result<Vec<(String, i64)>, DbErr> {
         stale_user::Entity::find()
@@ -97,47 +64,7 @@ impl Store {
         Ok(stale_user::Entity::find_by_id(user.as_str().to_owned())
             .one(&self.db)
             .await?
-            .map(|row| {
-                (
-                    stale_mark(row.marked_at_ms, &row.trigger_stream_ids),
-                    row.last_error,
-                )
-            }))
-    }
-
-    /// The user's stale mark now, if any.
-    pub async fn stale_mark(&self, user: &UserId) -> Result<Option<StaleMark>, DbErr> {
-        Ok(stale_user::Entity::find_by_id(user.as_str().to_owned())
-            .one(&self.db)
-            .await?
-            .map(|row| stale_mark(row.marked_at_ms, &row.trigger_stream_ids)))
-    }
-
-    /// Stores `list`, fetched for `user` while `stale_at_start` was its mark,
-    /// in one transaction under the same per-user lock as ingest: devices
-    /// replaced (unlisted ones deleted), keys, stream state, the stale mark
-    /// cleared (or kept for triggers that arrived meanwhile), and the events.
-    /// The inner error: the answer must not be stored.
-    pub async fn apply_fetch(
-        &self,
-        user: &UserId,
-        stale_at_start: Option<&StaleMark>,
-        list: &FetchedList,
-        max_devices: usize,
-        now_ms: i64,
-    ) -> Result<Result<FetchStored, FetchRefusal>, DbErr> {
-        let item = FetchedUser {
-            user: user.to_owned(),
-            stale_at_start: stale_at_start.cloned(),
-            list: list.clone(),
-        };
-        let (mut outcomes, outbox) = self
-            .apply_fetches(std::slice::from_ref(&item), max_devices, now_ms)
-            .await?;
-        let outcome = outcomes
-            .pop()
-            .ok_or_else(|| DbErr::Custom("no outcome for the one list stored".into()))?;
-        Ok(outcome.map(|plan| FetchStored { plan, outbox }))
+            .map(|row| (rows::stale_mark(&row), row.last_error)))
     }
 
     /// Stores several fetched lists (of different users) in one transaction:
@@ -192,7 +119,7 @@ impl Store {
         // A user kept stale by a trigger that came in meanwhile was answered:
         // its own back-off is over.
         let answered: Vec<String> = rows.stale.keys().map(|u| u.as_str().to_owned()).collect();
-        for chunk in answered.chunks(500) {
+        for chunk in answered.chunks(CHUNK) {
             use sea_orm::sea_query::Expr;
             stale_user::Entity::update_many()
                 .col_expr(stale_user::Column::Failures, Expr::value(0))
@@ -201,7 +128,7 @@ impl Store {
                 .exec(&txn)
                 .await?;
         }
-        for chunk in fresh.chunks(500) {
+        for chunk in fresh.chunks(CHUNK) {
             stale_user::Entity::delete_many()
                 .filter(stale_user::Column::UserId.is_in(chunk.iter().cloned()))
                 .exec(&txn)
@@ -223,80 +150,45 @@ pub struct FetchedUser {
     pub list: FetchedList,
 }
 
-pub(super) fn stale_mark(marked_at_ms: i64, triggers: &str) -> StaleMark {
-    StaleMark {
-        trigger_ids: serde_json::from_str(triggers).unwrap_or_default(),
-        marked_at_ms,
-    }
-}
-
-/// Everything stored for `users`, four queries per 500 users.
+/// Everything stored for `users`, four queries per chunk of users.
 async fn load_users<C: ConnectionTrait>(
     db: &C,
     users: &[&str],
 ) -> Result<BTreeMap<OwnedUserId, StoredUser>, DbErr> {
     let mut stored: BTreeMap<OwnedUserId, StoredUser> = BTreeMap::new();
-    for chunk in users.chunks(500) {
+    for chunk in users.chunks(CHUNK) {
         let ids = || chunk.iter().copied();
-        for row in remote_user::Entity::find()
+        let users = remote_user::Entity::find()
             .filter(remote_user::Column::UserId.is_in(ids()))
             .all(db)
-            .await?
-        {
-            let Ok(user) = OwnedUserId::try_from(row.user_id) else {
-                continue;
-            };
-            stored.entry(user).or_default().state = UserState {
-                known: KnownStreamIds::from_json(&row.known_stream_ids),
-                max_stream_id: row.max_stream_id,
-                fetched_stream_id: row.fetched_stream_id,
-            };
+            .await?;
+        for (user, state) in users.into_iter().filter_map(rows::user_state) {
+            stored.entry(user).or_default().state = state;
         }
-        for row in remote_device::Entity::find()
+        let devices = remote_device::Entity::find()
             .filter(remote_device::Column::UserId.is_in(ids()))
             .all(db)
-            .await?
-        {
-            let Ok(user) = OwnedUserId::try_from(row.user_id) else {
-                continue;
-            };
-            stored.entry(user).or_default().devices.insert(
-                OwnedDeviceId::from(row.device_id),
-                DeviceRow {
-                    display_name: row.display_name,
-                    keys: row.keys_json,
-                    stream_id: row.stream_id,
-                    deleted: row.deleted,
-                },
-            );
+            .await?;
+        for (user, id, device) in devices.into_iter().filter_map(rows::device) {
+            stored.entry(user).or_default().devices.insert(id, device);
         }
-        for row in cross_signing_key::Entity::find()
+        let keys = cross_signing_key::Entity::find()
             .filter(cross_signing_key::Column::UserId.is_in(ids()))
             .all(db)
-            .await?
-        {
-            let (Ok(user), Some(usage)) = (
-                OwnedUserId::try_from(row.user_id),
-                KeyUsage::from_str_opt(&row.key_usage),
-            ) else {
-                continue;
-            };
+            .await?;
+        for (user, usage, key) in keys.into_iter().filter_map(rows::cross_signing_key) {
             stored
                 .entry(user)
                 .or_default()
                 .cross_signing
-                .insert(usage, row.key_json);
+                .insert(usage, key);
         }
-        for row in stale_user::Entity::find()
+        let stale = stale_user::Entity::find()
             .filter(stale_user::Column::UserId.is_in(ids()))
             .all(db)
-            .await?
-        {
-            let Ok(user) = OwnedUserId::try_from(row.user_id) else {
-                continue;
-            };
-            stored.entry(user).or_default().stale =
-                Some(stale_mark(row.marked_at_ms, &row.trigger_stream_ids));
+            .await?;
+        for (user, mark) in stale.iter().filter_map(rows::stale) {
+            stored.entry(user).or_default().stale = Some(mark);
         }
     }
     Ok(stored)

@@ -3,19 +3,31 @@
 use std::collections::BTreeSet;
 
 use entity::{cross_signing_key, remote_device, remote_user, stale_user};
-use ruma::{OwnedDeviceId, OwnedUserId};
+use ruma::{DeviceId, UserId};
 use sea_orm::{ColumnTrait, ConnectionTrait, DbBackend, DbErr, EntityTrait, QueryFilter};
 
 use super::bulk;
+use super::rows::{self, CHUNK};
 
-use crate::decide::cross_signing::KeyUsage;
-use crate::decide::device::DeviceRow;
-use crate::decide::known_ids::KnownStreamIds;
-use crate::decide::{Snapshot, StaleMark, UserState};
+use crate::decide::Snapshot;
 use crate::input::InputMessage;
 
-/// Rows per `IN (…)` list, well below every backend's parameter limit.
-const CHUNK: usize = 500;
+/// The stored device a message needs to see, if any. Every kind is named
+/// (no catch-all), so a new kind must say what it needs.
+fn device_of(message: &InputMessage) -> Option<(&UserId, &DeviceId)> {
+    match message {
+        InputMessage::Update(u) => Some((&u.user_id, &u.device_id)),
+        InputMessage::SigningKey(_) | InputMessage::Resync(_) => None,
+    }
+}
+
+/// Whether a message needs the user's stored cross-signing keys.
+fn needs_keys(message: &InputMessage) -> bool {
+    match message {
+        InputMessage::SigningKey(_) => true,
+        InputMessage::Update(_) | InputMessage::Resync(_) => false,
+    }
+}
 
 /// Loads users, devices, stale marks and cross-signing keys of `users`.
 pub(super) async fn snapshot<C: ConnectionTrait>(
@@ -24,16 +36,11 @@ pub(super) async fn snapshot<C: ConnectionTrait>(
     users: &[&str],
 ) -> Result<Snapshot, DbErr> {
     let mut snapshot = Snapshot::default();
-    let wants_keys = messages
-        .iter()
-        .any(|m| matches!(m, InputMessage::SigningKey(_)));
+    let wants_keys = messages.iter().any(needs_keys);
     let (user_rows, stale_rows, device_rows) = if db.get_database_backend() == DbBackend::Postgres {
         let pairs: BTreeSet<(&str, &str)> = messages
             .iter()
-            .filter_map(|m| match m {
-                InputMessage::Update(u) => Some((u.user_id.as_str(), u.device_id.as_str())),
-                _ => None,
-            })
+            .filter_map(|m| device_of(m).map(|(user, device)| (user.as_str(), device.as_str())))
             .collect();
         let pairs: Vec<(&str, &str)> = pairs.into_iter().collect();
         (
@@ -44,60 +51,29 @@ pub(super) async fn snapshot<C: ConnectionTrait>(
     } else {
         portable_rows(db, messages, users).await?
     };
-    for row in user_rows {
-        let Ok(user) = OwnedUserId::try_from(row.user_id) else {
-            continue;
-        };
-        snapshot.users.insert(
-            user,
-            UserState {
-                known: KnownStreamIds::from_json(&row.known_stream_ids),
-                max_stream_id: row.max_stream_id,
-                fetched_stream_id: row.fetched_stream_id,
-            },
-        );
-    }
-    for row in stale_rows {
-        let Ok(user) = OwnedUserId::try_from(row.user_id) else {
-            continue;
-        };
-        snapshot.stale.insert(
-            user,
-            StaleMark {
-                trigger_ids: serde_json::from_str(&row.trigger_stream_ids).unwrap_or_default(),
-                marked_at_ms: row.marked_at_ms,
-            },
-        );
-    }
-    for row in device_rows {
-        let Ok(user) = OwnedUserId::try_from(row.user_id) else {
-            continue;
-        };
-        snapshot.devices.insert(
-            (user, OwnedDeviceId::from(row.device_id)),
-            DeviceRow {
-                display_name: row.display_name,
-                keys: row.keys_json,
-                stream_id: row.stream_id,
-                deleted: row.deleted,
-            },
-        );
-    }
+    snapshot
+        .users
+        .extend(user_rows.into_iter().filter_map(rows::user_state));
+    snapshot
+        .stale
+        .extend(stale_rows.iter().filter_map(rows::stale));
+    snapshot.devices.extend(
+        device_rows
+            .into_iter()
+            .filter_map(rows::device)
+            .map(|(user, id, device)| ((user, id), device)),
+    );
     if wants_keys {
         for chunk in users.chunks(CHUNK) {
-            for row in cross_signing_key::Entity::find()
+            let keys = cross_signing_key::Entity::find()
                 .filter(cross_signing_key::Column::UserId.is_in(chunk.iter().copied()))
                 .all(db)
-                .await?
-            {
-                let (Ok(user), Some(usage)) = (
-                    OwnedUserId::try_from(row.user_id),
-                    KeyUsage::from_str_opt(&row.key_usage),
-                ) else {
-                    continue;
-                };
-                snapshot.cross_signing.insert((user, usage), row.key_json);
-            }
+                .await?;
+            snapshot.cross_signing.extend(
+                keys.into_iter()
+                    .filter_map(rows::cross_signing_key)
+                    .map(|(user, usage, key)| ((user, usage), key)),
+            );
         }
     }
     Ok(snapshot)
@@ -118,10 +94,7 @@ async fn portable_rows<C: ConnectionTrait>(
 > {
     let devices: BTreeSet<&str> = messages
         .iter()
-        .filter_map(|m| match m {
-            InputMessage::Update(u) => Some(u.device_id.as_str()),
-            _ => None,
-        })
+        .filter_map(|m| device_of(m).map(|(_, device)| device.as_str()))
         .collect();
     let devices: Vec<&str> = devices.into_iter().collect();
     let (mut user_rows, mut stale_rows, mut device_rows) = (Vec::new(), Vec::new(), Vec::new());

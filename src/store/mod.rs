@@ -4,12 +4,13 @@
 //! the batch's users, loads their state, runs the pure planner and writes the
 //! plan together with its key-change events (the outbox).
 
-pub mod backoff;
+pub(crate) mod backoff;
 mod bulk;
-pub mod fetched;
+pub(crate) mod fetched;
 mod load;
-pub mod outbox;
+pub(crate) mod outbox;
 pub mod query;
+mod rows;
 mod write;
 
 use std::time::Duration;
@@ -133,6 +134,11 @@ impl Store {
         Ok(Store {
             db: Database::connect(options).await?,
         })
+    }
+
+    /// Connects, retrying until `wait` has passed.
+    pub async fn connect_within(url: &str, wait: Duration) -> Result<Store, DbErr> {
+        crate::startup::retry_within(wait, || Store::connect(url)).await
     }
 
     /// Applies pending migrations.

@@ -141,7 +141,7 @@ impl Store {
     /// Deletes published batches (deleting one already gone is not an error).
     pub async fn outbox_delete(&self, ids: &[i64]) -> Result<(), DbErr> {
         use sea_orm::{ColumnTrait, QueryFilter};
-        for chunk in ids.chunks(500) {
+        for chunk in ids.chunks(super::rows::CHUNK) {
             key_change_outbox::Entity::delete_many()
                 .filter(key_change_outbox::Column::Id.is_in(chunk.iter().copied()))
                 .exec(&self.db)

@@ -11,9 +11,9 @@ use serde_json::json;
 
 use super::remote::{MockFederation, Reply, device_keys, device_list};
 use super::{Nats, stream_len, wait_for};
-use crate::config::{Config, DEFAULT_FETCH_CONCURRENCY, InputSubjects};
+use crate::config::{Config, Settings};
 use crate::signing_key::SigningKey;
-use crate::worker::{self, Faults};
+use crate::worker;
 
 const ALICE: &str = "@alice:remote.example";
 
@@ -26,29 +26,17 @@ pub async fn run(out: &mut (impl Write + Send)) {
     let nats = Nats::start().await;
     let dir = tempfile::tempdir().expect("temporary directory");
     let key = SigningKey::generate().expect("signing key");
-    let mut config = Config {
-        server_name: "our.example".try_into().expect("server name"),
-        signing_key: key,
-        database_url: format!(
-            "sqlite://{}?mode=rwc",
-            dir.path().join("demo.sqlite").display()
-        ),
-        nats_url: nats.url.clone(),
-        http_addr: "127.0.0.1:0".parse().expect("address"),
-        federation_overrides: Default::default(),
-        federation_timeout: Duration::from_secs(5),
-        retry_min: Duration::from_secs(1),
-        retry_max: Duration::from_secs(10),
-        startup_spread: Duration::ZERO,
-        max_devices: 1000,
-        input: InputSubjects::default(),
-        batch_size: 1000,
-        startup_timeout: Duration::from_secs(10),
-        lease_ttl: Duration::from_secs(10),
-        max_deliver: 10,
-        ack_wait: Duration::from_secs(30),
-        fetch_concurrency: DEFAULT_FETCH_CONCURRENCY,
-    };
+    let database_url = format!(
+        "sqlite://{}?mode=rwc",
+        dir.path().join("demo.sqlite").display()
+    );
+    let mut config = Config::for_tests("our.example", &nats.url, &database_url);
+    config.signing_key = key;
+    config.settings.retry_min = Duration::from_secs(1);
+    config.settings.retry_max = Duration::from_secs(10);
+    config.settings.lease_ttl = Duration::from_secs(10);
+    config.settings.ack_wait = Duration::from_secs(30);
+    config.settings.fetch_concurrency = Settings::default().fetch_concurrency;
     let fleet = MockFederation::trusting(&config, Duration::from_millis(50)).await;
     fleet.serve(&mut config, ["remote.example"]);
     fleet.script(
@@ -64,9 +52,7 @@ pub async fn run(out: &mut (impl Write + Send)) {
         "mock homeserver remote.example at {} (checks X-Matrix signatures)",
         fleet.base_url()
     ));
-    let running = worker::start(config, Faults::default())
-        .await
-        .expect("worker starts");
+    let running = worker::start(config).await.expect("worker starts");
     say(format!(
         "worker started; health and metrics at http://{}/metrics",
         running.http_addr

@@ -129,7 +129,7 @@ impl MockFederation {
         config: &mut crate::config::Config,
         servers: impl IntoIterator<Item = &'a str>,
     ) {
-        config.federation_overrides = overrides_for(self, servers);
+        config.settings.federation_overrides = overrides_for(self, servers);
     }
 
     /// `http://<addr>`, for overrides.

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use device_list_updater::config::Config;
 use device_list_updater::testkit::remote::{MockFederation, device_keys};
-use device_list_updater::worker::{self, Faults, Running};
+use device_list_updater::worker::{self, Running};
 use entity::{remote_device, stale_user};
 use sea_orm::{ColumnTrait, EntityTrait, QueryFilter};
 use serde_json::json;
@@ -41,9 +41,7 @@ impl Env {
         let fleet = MockFederation::trusting(&config, latency).await;
         fleet.serve(&mut config, servers.iter().copied());
         tune(&mut config);
-        let worker = worker::start(config.clone(), Faults::default())
-            .await
-            .expect("worker starts");
+        let worker = worker::start(config.clone()).await.expect("worker starts");
         let js = nats.js().await;
         Env {
             nats,
@@ -72,7 +70,7 @@ impl Env {
                 .await
                 .expect("delete the fetch stream");
         }
-        let worker = worker::start(config.clone(), Faults::default())
+        let worker = worker::start(config.clone())
             .await
             .expect("worker restarts");
         Env {

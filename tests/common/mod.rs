@@ -8,8 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
-use device_list_updater::config::{Config, InputSubjects};
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::config::Config;
 
 pub mod fetch_env;
 
@@ -98,26 +97,7 @@ impl Drop for TestDb {
 
 /// A worker configuration for tests: short timeouts, any free HTTP port.
 pub fn config(nats: &Nats, db: &TestDb) -> Config {
-    Config {
-        server_name: OUR_SERVER.try_into().expect("server name"),
-        signing_key: SigningKey::generate().expect("key"),
-        database_url: db.url.clone(),
-        nats_url: nats.url.clone(),
-        http_addr: "127.0.0.1:0".parse().expect("addr"),
-        federation_overrides: Default::default(),
-        federation_timeout: Duration::from_secs(5),
-        retry_min: Duration::from_millis(200),
-        retry_max: Duration::from_secs(2),
-        startup_spread: Duration::ZERO,
-        max_devices: 1000,
-        input: InputSubjects::default(),
-        batch_size: 1000,
-        startup_timeout: Duration::from_secs(10),
-        lease_ttl: Duration::from_secs(2),
-        max_deliver: 10,
-        ack_wait: Duration::from_secs(2),
-        fetch_concurrency: 64,
-    }
+    Config::for_tests(OUR_SERVER, &nats.url, &db.url)
 }
 
 #[allow(unused_imports)] // each test crate uses a different subset
@@ -309,4 +289,26 @@ pub fn worker_command(
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true);
     command
+}
+
+/// Writes one key-change event straight into the outbox, as a batch that
+/// committed but was not published (its publisher died, or NATS was down)
+/// leaves it. Returns the event's payload.
+#[allow(dead_code)] // each test crate uses a different subset
+pub async fn leave_in_outbox(db: &sea_orm::DatabaseConnection, user: &str) -> serde_json::Value {
+    use sea_orm::{ActiveModelTrait as _, ActiveValue::NotSet, ActiveValue::Set};
+    let payload = serde_json::json!({"user_id": user, "device_id": "LEFT", "stream_id": 1,
+                                     "deleted": false, "left_in_outbox": true});
+    let events = serde_json::json!([{"user_id": user, "subject": "key_change.device",
+                                     "payload": payload}]);
+    entity::key_change_outbox::ActiveModel {
+        id: NotSet,
+        events: Set(events.to_string()),
+        event_count: Set(1),
+        created_at_ms: Set(0),
+    }
+    .insert(db)
+    .await
+    .expect("outbox row");
+    payload
 }

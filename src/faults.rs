@@ -1,0 +1,42 @@
+//! Fault injection for the crash tests (`DLU_FAULT`, the `fault` setting).
+//!
+//! Compiled only with the `testkit` feature, which only test builds enable
+//! (the crate's dev-dependency on itself): in the release binary
+//! [`Faults`] is empty and [`Faults::crash_point`] does nothing.
+
+/// Where the process aborts, to prove that a crash there loses nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fault {
+    /// Right after a batch commits, before publish and ack.
+    CrashAfterCommit,
+    /// Right after events are published, before they leave the outbox.
+    CrashAfterPublish,
+}
+
+/// The fault a worker was configured with (none outside test builds).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Faults {
+    #[cfg(feature = "testkit")]
+    armed: Option<Fault>,
+}
+
+impl Faults {
+    /// Arms `fault` (test builds only).
+    #[cfg(feature = "testkit")]
+    pub fn armed(fault: Option<Fault>) -> Faults {
+        Faults { armed: fault }
+    }
+
+    /// Aborts the process if `point` is the armed fault.
+    #[inline]
+    pub fn crash_point(&self, point: Fault) {
+        #[cfg(feature = "testkit")]
+        if self.armed == Some(point) {
+            tracing::error!(?point, "fault injection: crashing");
+            std::process::abort();
+        }
+        #[cfg(not(feature = "testkit"))]
+        let _ = point;
+    }
+}

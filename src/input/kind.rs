@@ -1,0 +1,114 @@
+//! The input kinds: the one place that knows which inputs exist (SPEC §4.1).
+//!
+//! Each kind has its default subject, its setting and its parser here, in
+//! matches the compiler checks. `docs/design.md` ("Adding an input kind")
+//! lists what else a new kind needs; every other place that treats kinds
+//! differently matches on [`InputKind`] or [`super::InputMessage`] without a
+//! catch-all arm, so the compiler points at each.
+
+use super::{DeviceListUpdate, InputMessage, Rejection, ResyncRequest, SigningKeyUpdate};
+
+/// Which input a message came from, decided by its subject.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, strum::VariantArray)]
+pub enum InputKind {
+    /// `m.device_list_update` contents.
+    Update,
+    /// `m.signing_key_update` contents.
+    SigningKey,
+    /// A request to fetch a user's list again.
+    Resync,
+}
+
+impl InputKind {
+    /// Every kind (derived, so a new variant is in it).
+    pub const ALL: &'static [InputKind] = <InputKind as strum::VariantArray>::VARIANTS;
+
+    /// The subject used when its setting is not given.
+    pub fn default_subject(self) -> &'static str {
+        match self {
+            InputKind::Update => "devicelist.in.update",
+            InputKind::SigningKey => "devicelist.in.signing_key",
+            InputKind::Resync => "devicelist.in.resync",
+        }
+    }
+
+    /// The setting that names its subject (`DLU_` + upper case).
+    pub fn setting(self) -> &'static str {
+        match self {
+            InputKind::Update => "input_update_subject",
+            InputKind::SigningKey => "input_signing_key_subject",
+            InputKind::Resync => "input_resync_subject",
+        }
+    }
+
+    /// Parses a body of this kind (size already checked).
+    pub fn parse_body(self, body: &[u8]) -> Result<InputMessage, Rejection> {
+        Ok(match self {
+            InputKind::Update => InputMessage::Update(DeviceListUpdate::parse(body)?),
+            InputKind::SigningKey => InputMessage::SigningKey(SigningKeyUpdate::parse(body)?),
+            InputKind::Resync => InputMessage::Resync(ResyncRequest::parse(body)?),
+        })
+    }
+}
+
+/// The configured subject of every input kind.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InputSubjects(Vec<(InputKind, String)>);
+
+impl InputSubjects {
+    /// The subjects `subject_of` gives for each kind.
+    pub fn new<'a>(subject_of: impl Fn(InputKind) -> &'a str) -> InputSubjects {
+        InputSubjects(
+            InputKind::ALL
+                .iter()
+                .map(|&kind| (kind, subject_of(kind).to_owned()))
+                .collect(),
+        )
+    }
+
+    /// The kind of message on `subject`.
+    pub fn kind_of(&self, subject: &str) -> Option<InputKind> {
+        self.0
+            .iter()
+            .find(|(_, s)| s == subject)
+            .map(|(kind, _)| *kind)
+    }
+
+    /// The subject of `kind`.
+    pub fn subject(&self, kind: InputKind) -> &str {
+        self.0
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map_or_else(|| kind.default_subject(), |(_, s)| s.as_str())
+    }
+
+    /// Every subject, in kind order.
+    pub fn all(&self) -> Vec<String> {
+        self.0.iter().map(|(_, s)| s.clone()).collect()
+    }
+}
+
+impl Default for InputSubjects {
+    fn default() -> Self {
+        InputSubjects::new(InputKind::default_subject)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_has_its_own_subject_and_setting() {
+        let subjects = InputSubjects::default();
+        for &kind in InputKind::ALL {
+            assert_eq!(subjects.kind_of(kind.default_subject()), Some(kind));
+            assert!(kind.default_subject().starts_with("devicelist.in."));
+            assert!(kind.setting().starts_with("input_") && kind.setting().ends_with("_subject"));
+        }
+        let mut settings: Vec<&str> = InputKind::ALL.iter().map(|k| k.setting()).collect();
+        settings.dedup();
+        assert_eq!(settings.len(), InputKind::ALL.len());
+        assert_eq!(subjects.kind_of("devicelist.in.other"), None);
+    }
+}
