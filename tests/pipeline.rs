@@ -65,11 +65,14 @@ async fn later_batch_waits_for_earlier(backend: common::Backend) {
         ran_ahead.is_err(),
         "the later batch committed before the earlier one: {ran_ahead:?}"
     );
-    let earlier = store
-        .apply_batch_in_turn(&[update(1, &[0])], 0, first)
-        .await
-        .unwrap()
-        .expect("the first batch commits");
+    let earlier = tokio::time::timeout(
+        Duration::from_secs(10),
+        store.apply_batch_in_turn(&[update(1, &[0])], 0, first),
+    )
+    .await
+    .expect("the earlier batch is not blocked by the later one")
+    .unwrap()
+    .expect("the first batch commits");
     assert!(earlier.plan.stale.is_empty());
     let later = tokio::time::timeout(Duration::from_secs(10), later)
         .await
