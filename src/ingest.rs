@@ -120,19 +120,10 @@ impl Ingest {
         shutdown: &Shutdown,
         pipeline: &mut Pipeline,
     ) {
-        let pull = consumer
-            .batch()
-            .max_messages(self.batch_size)
-            .expires(PULL_EXPIRY)
-            .messages()
-            .await;
-        let mut pull = match pull {
-            Ok(pull) => pull,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot pull input; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                return;
-            }
+        let Some(mut pull) =
+            crate::bus::start_pull(consumer, self.batch_size, PULL_EXPIRY, "input").await
+        else {
+            return;
         };
         loop {
             let first = match crate::bus::next_of_pull(&mut pull, PULL_EXPIRY).await {

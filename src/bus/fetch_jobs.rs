@@ -37,12 +37,7 @@ pub fn subject(server: &ServerName) -> String {
 /// Creates (or opens) the shared fetch-job consumer. A job whose replica
 /// stops sending progress acks (it died) is redelivered after `ack_wait`.
 pub async fn consumer(js: &Context, ack_wait: Duration) -> Result<PullConsumer, BusError> {
-    let stream = js
-        .get_stream(FETCH_STREAM)
-        .await
-        .map_err(BusError::jetstream(format!(
-            "cannot open stream {FETCH_STREAM}"
-        )))?;
+    let stream = fetch_stream(js).await?;
     let config = pull::Config {
         durable_name: Some(FETCH_CONSUMER.into()),
         description: Some("device-list-updater: per-server fetch jobs".into()),
@@ -58,6 +53,15 @@ pub async fn consumer(js: &Context, ack_wait: Duration) -> Result<PullConsumer, 
         .await
         .map_err(BusError::jetstream(format!(
             "cannot create consumer {FETCH_CONSUMER}"
+        )))
+}
+
+/// The fetch-job stream.
+async fn fetch_stream(js: &Context) -> Result<async_nats::jetstream::stream::Stream, BusError> {
+    js.get_stream(FETCH_STREAM)
+        .await
+        .map_err(BusError::jetstream(format!(
+            "cannot open stream {FETCH_STREAM}"
         )))
 }
 
@@ -111,12 +115,7 @@ pub async fn enqueue<'a>(
 /// is published. Only for a job that is waiting, never for one that runs:
 /// the caller has ended the wait in the database first.
 pub async fn replace(js: &Context, server: &OwnedServerName) -> Result<(), BusError> {
-    let stream = js
-        .get_stream(FETCH_STREAM)
-        .await
-        .map_err(BusError::jetstream(format!(
-            "cannot open stream {FETCH_STREAM}"
-        )))?;
+    let stream = fetch_stream(js).await?;
     match stream
         .get_last_raw_message_by_subject(&subject(server))
         .await

@@ -11,6 +11,7 @@ pub(crate) mod streams;
 
 use std::time::Duration;
 
+use async_nats::jetstream::consumer::{PullConsumer, pull};
 use futures::{Stream, StreamExt as _};
 
 pub use error::BusError;
@@ -20,6 +21,31 @@ pub use error::BusError;
 /// forgotten the request, and without this bound the client would wait for
 /// it forever (found by `tests/faults.rs`, restart during a burst).
 pub const PULL_GRACE: Duration = Duration::from_secs(4);
+
+/// Starts one pull of at most `max` messages, expiring after `expiry`. If
+/// JetStream refuses it (NATS away), logs, waits half a second and returns
+/// None: the caller's loop tries again.
+pub async fn start_pull(
+    consumer: &PullConsumer,
+    max: usize,
+    expiry: Duration,
+    what: &str,
+) -> Option<pull::Batch> {
+    match consumer
+        .batch()
+        .max_messages(max)
+        .expires(expiry)
+        .messages()
+        .await
+    {
+        Ok(pull) => Some(pull),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot pull {what}; retrying");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            None
+        }
+    }
+}
 
 /// The next item of a pull request that expires after `expiry`, or None
 /// when the pull is over or presumed lost. Items already received are

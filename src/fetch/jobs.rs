@@ -107,19 +107,10 @@ impl Fetcher {
                 }
                 continue;
             }
-            let pull = consumer
-                .batch()
-                .max_messages(free)
-                .expires(PULL_EXPIRY)
-                .messages()
-                .await;
-            let mut pull = match pull {
-                Ok(pull) => pull,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot pull fetch jobs; retrying");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                    continue;
-                }
+            let Some(mut pull) =
+                crate::bus::start_pull(&consumer, free, PULL_EXPIRY, "fetch jobs").await
+            else {
+                continue;
             };
             while let Some(message) = crate::bus::next_of_pull(&mut pull, PULL_EXPIRY).await {
                 let Ok(message) = message else { break };
