@@ -29,6 +29,8 @@
 //! * `testkit` (feature `testkit`, for tests, the demo and benchmarks): a
 //!   private nats-server, databases, a mock remote homeserver fleet.
 
+#![warn(missing_docs)]
+
 pub mod admin;
 pub mod bus;
 pub mod config;

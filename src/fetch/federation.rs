@@ -5,7 +5,7 @@
 //! Signing uses ruma's X-Matrix implementation (canonical JSON of the request
 //! object, ed25519). Discovery follows the server-server spec: IP literals,
 //! explicit ports, `.well-known/matrix/server` delegation (cached), then SRV
-//! `_matrix-fed._tcp` / `_matrix._tcp` and port 8448 ([`super::discovery`]).
+//! `_matrix-fed._tcp` / `_matrix._tcp` and port 8448 (`fetch::discovery`).
 //! For a name found through SRV the URL keeps the server's hostname (so TLS
 //! and `Host` name it, as the spec requires) and the DNS hook hands reqwest
 //! the discovered addresses and ports.
@@ -38,7 +38,7 @@ const DISCOVERY_TTL: Duration = Duration::from_secs(3600);
 /// Largest well-known body read.
 const MAX_WELL_KNOWN: usize = 64 * 1024;
 
-/// A failed fetch: what happened (for [`super::retry::blame`]), a wait the
+/// A failed fetch: what happened (for `fetch::retry::blame`), a wait the
 /// remote asked for, and what to log.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{reason}")]

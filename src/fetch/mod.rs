@@ -1,14 +1,14 @@
 //! Fetch: making stale device lists fresh again (SPEC §5.2, §5.3).
 //!
-//! * [`retry`]: whose failure a failed fetch is, and the back-off (pure);
-//! * [`guard`]: which addresses a fetch may connect to (pure);
+//! * `retry`: whose failure a failed fetch is, and the back-off (pure);
+//! * `guard`: which addresses a fetch may connect to (pure);
 //! * [`answer`]: reading a `/user/devices` answer (pure);
-//! * [`discovery`]: SRV and port 8448 for hostnames (pure choice over a DNS trait);
+//! * `discovery`: SRV and port 8448 for hostnames (pure choice over a DNS trait);
 //! * [`federation`]: the signed request, discovery and the guarded client;
-//! * [`jobs`]: the fetch-job consumer that ties them together;
-//! * [`writer`]: stores fetched lists in groups, one transaction each;
-//! * [`wake`]: input from a server ends its job's wait (rule pure);
-//! * [`resync`]: a resync asked for outside the input stream.
+//! * `jobs`: the fetch-job consumer that ties them together;
+//! * `writer`: stores fetched lists in groups, one transaction each;
+//! * `wake`: input from a server ends its job's wait (rule pure);
+//! * `resync`: a resync asked for outside the input stream.
 
 pub mod answer;
 pub(crate) mod discovery;
