@@ -5,6 +5,7 @@ pub mod batch;
 pub mod device;
 pub mod fetched;
 pub mod known_ids;
+pub mod membership;
 pub mod rules;
 
 pub use batch::{Outcome, Plan, Snapshot, StaleMark, UserState, plan_batch};

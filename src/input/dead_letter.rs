@@ -34,6 +34,16 @@ pub enum DeadReason {
     MaxDeliver,
     /// Well formed, but the database refuses to store it.
     Unprocessable,
+    /// `room_id` missing or not a valid room id.
+    InvalidRoomId,
+    /// A `state_key` or `member_key` that is no identity (SPEC §5.5.7).
+    InvalidIdentity,
+    /// `membership` not one of `join`, `leave`, `invite`, `knock`, `ban`.
+    InvalidMembership,
+    /// `stream_ordering` missing, negative or not an integer (or numeric string).
+    InvalidStreamOrdering,
+    /// A member key's link naming another user than its first (SPEC §5.6.2).
+    LinkConflict,
 }
 
 impl DeadReason {
@@ -54,6 +64,11 @@ impl DeadReason {
             DeadReason::UnknownSubject => "unknown_subject",
             DeadReason::MaxDeliver => "max_deliver",
             DeadReason::Unprocessable => "unprocessable",
+            DeadReason::InvalidRoomId => "invalid_room_id",
+            DeadReason::InvalidIdentity => "invalid_identity",
+            DeadReason::InvalidMembership => "invalid_membership",
+            DeadReason::InvalidStreamOrdering => "invalid_stream_ordering",
+            DeadReason::LinkConflict => "link_conflict",
         }
     }
 }

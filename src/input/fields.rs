@@ -1,7 +1,7 @@
 //! Field parsers shared by the input messages: each turns loosely typed JSON
 //! into a checked value or a [`Rejection`].
 
-use ruma::{OwnedDeviceId, OwnedUserId, UserId};
+use ruma::{OwnedDeviceId, OwnedRoomId, OwnedUserId, RoomId, UserId};
 use serde_json::Value;
 
 use super::dead_letter::{DeadReason, Rejection};
@@ -67,6 +67,28 @@ pub fn stream_id(value: Option<&Value>) -> Result<i64, Rejection> {
             "stream_id must be a non-negative integer or numeric string",
         )
     })
+}
+
+/// A required `stream_ordering` (membership and member-key messages).
+pub fn stream_ordering(value: Option<&Value>) -> Result<i64, Rejection> {
+    value.and_then(stream_number).ok_or_else(|| {
+        Rejection::new(
+            DeadReason::InvalidStreamOrdering,
+            "stream_ordering must be a non-negative integer or numeric string",
+        )
+    })
+}
+
+/// A required room id.
+pub fn room_id(value: Option<&Value>) -> Result<OwnedRoomId, Rejection> {
+    let Some(Value::String(raw)) = value else {
+        return Err(Rejection::new(
+            DeadReason::InvalidRoomId,
+            "room_id is missing or not a string",
+        ));
+    };
+    RoomId::parse(raw.as_str())
+        .map_err(|e| Rejection::new(DeadReason::InvalidRoomId, format!("room_id {raw:?}: {e}")))
 }
 
 /// An optional `prev_id` list (absent or null means empty).

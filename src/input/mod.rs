@@ -7,7 +7,9 @@
 pub mod cross_signing;
 pub mod dead_letter;
 pub(crate) mod fields;
+pub mod identity;
 pub mod kind;
+pub mod membership;
 pub mod resync;
 pub mod signing_key;
 pub mod update;
