@@ -191,9 +191,10 @@ impl Fetcher {
                 }
                 // Users marked stale while this job was in hand could not
                 // enqueue a second job for the server: look again.
-                match self.store.due_stale_users(server, i64::MAX, 1).await {
-                    Ok(users) if !users.is_empty() => self.enqueue(server).await,
-                    Ok(_) => {}
+                // Any stale user counts, due or still in its own back-off.
+                match self.store.has_due_user(server, i64::MAX).await {
+                    Ok(true) => self.enqueue(server).await,
+                    Ok(false) => {}
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot check for stale users; enqueueing anyway");
                         self.enqueue(server).await;
