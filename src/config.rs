@@ -83,6 +83,24 @@ pub enum LogFormat {
     Json,
 }
 
+/// A setting that is `on` or `off`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Switch {
+    /// Off.
+    #[default]
+    Off,
+    /// On.
+    On,
+}
+
+impl Switch {
+    /// Whether it is on.
+    pub fn is_on(self) -> bool {
+        self == Switch::On
+    }
+}
+
 /// Every setting (SPEC §3), as deserialised from the merged sources.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -122,6 +140,15 @@ pub struct Settings {
     pub input_signing_key_subject: String,
     /// Subject of resync requests.
     pub input_resync_subject: String,
+    /// Subject of room membership changes.
+    pub input_membership_subject: String,
+    /// Subject of member-key links.
+    pub input_member_key_subject: String,
+    /// `on`: only remote users sharing a room with us are tracked, from the
+    /// membership feed (SPEC §5.5).
+    pub membership: Switch,
+    /// `on`: MSC4430 member keys are room identities (SPEC §5.6).
+    pub msc4430: Switch,
     /// Input messages per pull and per transaction.
     #[serde(deserialize_with = "value::number")]
     pub batch_size: usize,
@@ -165,6 +192,10 @@ impl Default for Settings {
             input_update_subject: InputKind::Update.default_subject().into(),
             input_signing_key_subject: InputKind::SigningKey.default_subject().into(),
             input_resync_subject: InputKind::Resync.default_subject().into(),
+            input_membership_subject: InputKind::Membership.default_subject().into(),
+            input_member_key_subject: InputKind::MemberKey.default_subject().into(),
+            membership: Switch::Off,
+            msc4430: Switch::Off,
             batch_size: 1000,
             startup_timeout: Duration::from_secs(30),
             lease_ttl: Duration::from_secs(10),
@@ -239,6 +270,10 @@ fn describe(key: &str) -> &'static str {
         "input_update_subject" => "subject of device-list updates",
         "input_signing_key_subject" => "subject of signing-key updates",
         "input_resync_subject" => "subject of resync requests",
+        "input_membership_subject" => "subject of room membership changes",
+        "input_member_key_subject" => "subject of MSC4430 member-key links",
+        "membership" => "on: track only users sharing a room with us",
+        "msc4430" => "on: accept MSC4430 member keys as room identities",
         "batch_size" => "input messages per batch (one transaction each)",
         "startup_timeout" => "wait for NATS and the database at start-up",
         "lease_ttl" => "input lease length",
@@ -355,6 +390,8 @@ impl Settings {
             InputKind::Update => &self.input_update_subject,
             InputKind::SigningKey => &self.input_signing_key_subject,
             InputKind::Resync => &self.input_resync_subject,
+            InputKind::Membership => &self.input_membership_subject,
+            InputKind::MemberKey => &self.input_member_key_subject,
         })
     }
 }

@@ -64,6 +64,10 @@ async fn metrics(State(health): State<Health>) -> impl axum::response::IntoRespo
     }
     .await;
     health.metrics.set_state(crate::metrics::SharedState {
+        tracked_users: match health.store.membership() {
+            true => health.store.tracked_user_count().await.ok(),
+            false => None,
+        },
         stale_users: health.store.stale_user_count().await.ok(),
         outbox_backlog: health.store.outbox_len().await.ok(),
         fetch_jobs,

@@ -19,6 +19,7 @@ use crate::bus::dead_letters::{self, DeadLetter};
 use crate::bus::fetch_jobs;
 use crate::bus::lease::Lease;
 use crate::bus::publisher::OutboxHandle;
+use crate::decide::Outcome;
 use crate::faults::{Fault, Faults};
 use crate::input::{self, DeadReason, InputMessage, InputSubjects, Parsed, Rejection};
 use crate::store::{Applied, Baton, Store, Turn};
@@ -60,6 +61,12 @@ pub struct Ingest {
     pub metrics: crate::metrics::Metrics,
     /// Where input about a server's users may end its fetch job's wait.
     pub wakeups: crate::fetch::wake::Wakeups,
+    /// `DLU_MEMBERSHIP=on`: room input is read (SPEC §5.5).
+    pub membership: bool,
+    /// `DLU_MSC4430=on`: member keys are identities (SPEC §5.6).
+    pub member_keys: bool,
+    /// Told when a batch leaves a room to sweep.
+    pub sweeps: std::sync::Arc<tokio::sync::Notify>,
 }
 
 /// One message of a batch and what the checks made of it.
@@ -182,8 +189,10 @@ impl Ingest {
             .collect();
         let span = tracing::Span::current();
         if !span.is_disabled() {
-            let users: std::collections::BTreeSet<&str> =
-                accepted.iter().map(|(_, m)| m.user_id().as_str()).collect();
+            let users: std::collections::BTreeSet<&str> = accepted
+                .iter()
+                .filter_map(|(_, m)| m.user_id().map(ruma::UserId::as_str))
+                .collect();
             span.record("users", users.len());
             if let Some(first) = users.first() {
                 span.record("user", *first);
@@ -212,16 +221,34 @@ impl Ingest {
         }
         // Input about a server's users may end its fetch job's wait (SPEC
         // §5.2): checked in the background, after the stale marks committed.
-        self.wakeups.note_all(
-            accepted
-                .iter()
-                .map(|(_, m)| (m.user_id().server_name(), m.heard_from_server())),
-        );
+        self.wakeups.note_all(accepted.iter().filter_map(|(_, m)| {
+            m.user_id()
+                .map(|user| (user.server_name(), m.heard_from_server()))
+        }));
         let origin = oldest_publish_time(items.iter().map(|i| &i.message));
+        let mut sweeps = false;
         for applied in &applied {
             for outcome in &applied.plan.outcomes {
-                self.metrics.update(outcome.as_str());
+                if outcome.is_room_outcome() {
+                    self.metrics.membership_change(outcome.as_str());
+                } else {
+                    self.metrics.update(outcome.as_str());
+                }
             }
+            self.metrics.untracked(applied.plan.rooms.untrack.len());
+            sweeps |= applied.plan.rooms.rooms.values().any(|room| room.sweep);
+        }
+        if sweeps {
+            self.sweeps.notify_one();
+        }
+        if !self
+            .dead_letter_conflicts(&items, &accepted, &applied)
+            .await
+        {
+            // Applied, but a link conflict was not dead-lettered: redelivery
+            // finds the link applied and the conflict again (a no-op else).
+            nak_all(items.iter().map(|i| &i.message), None).await;
+            return;
         }
         for mut batch in applied.into_iter().filter_map(|a| a.outbox) {
             batch.origin = origin.map(|at| ("update", at));
@@ -261,7 +288,12 @@ impl Ingest {
                         .as_ref()
                         .and_then(|h| h.get("origin"))
                         .map(|v| v.as_str());
-                    input::parse(kind, &message.payload, origin, &self.own_server)
+                    let rules = input::Rules {
+                        own_server: &self.own_server,
+                        membership: self.membership,
+                        member_keys: self.member_keys,
+                    };
+                    input::parse(kind, &message.payload, origin, &rules)
                 }
             }
         };
@@ -285,6 +317,47 @@ impl Ingest {
                 .map_err(BusError::jetstream("a dead letter was not stored"))?;
         }
         Ok(())
+    }
+
+    /// Dead-letters the link changes the planner refused as conflicts
+    /// (SPEC §5.6.2). They are only known after planning, so they go after
+    /// the commit; false if one could not be stored.
+    async fn dead_letter_conflicts(
+        &self,
+        items: &[Item],
+        accepted: &[(usize, &InputMessage)],
+        applied: &[Applied],
+    ) -> bool {
+        // One plan covers every accepted message, in order; applied one by
+        // one there is one plan per message.
+        let outcomes: Vec<Outcome> = applied
+            .iter()
+            .flat_map(|a| a.plan.outcomes.iter().copied())
+            .collect();
+        if outcomes.len() != accepted.len() {
+            return true;
+        }
+        for ((index, message), outcome) in accepted.iter().zip(outcomes) {
+            if outcome != Outcome::LinkConflict {
+                continue;
+            }
+            let first = match message {
+                InputMessage::MemberKey(link) => link.member_key.as_str(),
+                _ => "",
+            };
+            let rejection = Rejection::new(
+                DeadReason::LinkConflict,
+                format!("member key {first} is already linked to another user in this room"),
+            );
+            let stored = match self.dead_letter(&items[*index].message, &rejection).await {
+                Ok(ack) => ack.await.is_ok(),
+                Err(_) => false,
+            };
+            if !stored {
+                return false;
+            }
+        }
+        true
     }
 
     async fn dead_letter(

@@ -11,7 +11,7 @@
 //! * [`input`]: raw JetStream messages become checked values or dead letters;
 //!   [`input::InputKind`] is the one list of input kinds;
 //! * [`decide`]: pure rules say, per update, apply or mark the user stale,
-//!   and what a fetched list changes;
+//!   what a fetched list changes, and who shares a room with us;
 //! * [`key_change`]: the key-change events those rules produce (SPEC §4.2);
 //! * [`config`]: every setting, typed, with its defaults (SPEC §3);
 //! * [`store`]: the plans written with sea-orm in one transaction each, with
@@ -21,6 +21,8 @@
 //! * [`fetch`]: stale lists fetched from remote servers (signed, guarded,
 //!   with per-server and per-user back-off);
 //! * `ingest`: the batch loop that ties input, rules, store and bus together;
+//! * `sweep`: our server joining or leaving a room, applied to its remote
+//!   members in bounded chunks (SPEC §5.5.5);
 //! * `rpc`, `http`: the request-reply subjects (SPEC §4.4), the health and
 //!   metrics listener (§7);
 //! * [`worker`]: starts everything for `device-list-updater run`;
@@ -47,6 +49,7 @@ pub(crate) mod shutdown;
 pub mod signing_key;
 pub(crate) mod startup;
 pub mod store;
+pub(crate) mod sweep;
 pub mod telemetry;
 #[cfg(feature = "testkit")]
 pub mod testkit;

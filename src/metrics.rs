@@ -44,7 +44,12 @@ struct Inner {
     outbound_refused: IntCounter,
     /// Waiting fetch jobs started early, by reason.
     wakeups: IntCounterVec,
+    /// Membership and member-key messages by outcome.
+    membership_changes: IntCounterVec,
+    /// Users untracked because they share no room with us any more.
+    users_untracked: IntCounter,
     /// Scrape-time gauges.
+    tracked_users: IntGauge,
     stale_users: IntGauge,
     outbox_backlog: IntGauge,
     fetch_jobs_pending: IntGauge,
@@ -56,6 +61,8 @@ struct Inner {
 /// the gauge keeps its last value).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SharedState {
+    /// Users sharing a room with us (membership on only).
+    pub tracked_users: Option<u64>,
     /// Users marked stale.
     pub stale_users: Option<u64>,
     /// Outbox rows not yet published.
@@ -160,6 +167,22 @@ impl Metrics {
                 "dlu_outbound_refused_total",
                 "Connections the outbound guard refused (private, loopback, ... addresses).",
             ),
+            membership_changes: counter_vec(
+                &r,
+                "dlu_membership_changes_total",
+                "Membership and member-key messages, by outcome (membership on).",
+                &["outcome"],
+            ),
+            users_untracked: counter(
+                &r,
+                "dlu_users_untracked_total",
+                "Users untracked because they stopped sharing every room with us.",
+            ),
+            tracked_users: gauge(
+                &r,
+                "dlu_tracked_users",
+                "Remote users sharing a room with us (membership on; whole deployment).",
+            ),
             stale_users: gauge(
                 &r,
                 "dlu_stale_users",
@@ -201,6 +224,19 @@ impl Metrics {
     /// Counts applied input messages by outcome label.
     pub fn update(&self, outcome: &str) {
         self.inner.updates.with_label_values(&[outcome]).inc();
+    }
+
+    /// Counts a membership or member-key message by outcome.
+    pub fn membership_change(&self, outcome: &str) {
+        self.inner
+            .membership_changes
+            .with_label_values(&[outcome])
+            .inc();
+    }
+
+    /// Counts untracked users.
+    pub fn untracked(&self, users: usize) {
+        self.inner.users_untracked.inc_by(users as u64);
     }
 
     /// Counts a dead letter.
@@ -256,6 +292,7 @@ impl Metrics {
                 gauge.set(i64::try_from(v).unwrap_or(i64::MAX));
             }
         };
+        set(&self.inner.tracked_users, state.tracked_users);
         set(&self.inner.stale_users, state.stale_users);
         set(&self.inner.outbox_backlog, state.outbox_backlog);
         set(&self.inner.fetch_jobs_pending, state.fetch_jobs);
@@ -284,6 +321,7 @@ mod tests {
         let metrics = Metrics::new();
         // Label-less families only appear once they have a child.
         metrics.update("applied");
+        metrics.membership_change("applied");
         metrics.dead_letter("not_json");
         metrics.fetch("example.org", "stored", 0.1);
         metrics.published(1, "update", Some(0.1));

@@ -80,6 +80,8 @@ struct UserWire<'a> {
     devices: BTreeMap<&'a str, DeviceWire<'a>>,
     master_key: Option<Box<RawValue>>,
     self_signing_key: Option<Box<RawValue>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shared_rooms: Option<u32>,
 }
 
 #[derive(Serialize)]
@@ -190,6 +192,18 @@ impl Rpc {
         if user.server_name() == self.own_server {
             return reply(false, Some("the user is on our own server".into()));
         }
+        if self.store.membership() {
+            match self.store.shared_rooms(&[user.as_str()]).await {
+                Ok(shared) if shared.contains_key(&user) => {}
+                Ok(_) => {
+                    return reply(
+                        false,
+                        Some("the user shares no room with us, so it is not tracked".into()),
+                    );
+                }
+                Err(e) => return reply(false, Some(format!("database: {e}"))),
+            }
+        }
         let deadline = tokio::time::Instant::now() + timeout;
         match tokio::time::timeout_at(deadline, self.resync_user(&user)).await {
             Ok(Ok(())) => reply(true, None),
@@ -272,5 +286,6 @@ fn user_wire(view: &UserView) -> UserWire<'_> {
             .collect(),
         master_key: raw(view.master_key.as_deref()),
         self_signing_key: raw(view.self_signing_key.as_deref()),
+        shared_rooms: view.shared_rooms,
     }
 }

@@ -91,6 +91,10 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let faults = settings.faults();
     let client = bus::connect(&settings.nats_url, settings.startup_timeout).await?;
     let store = open_store(&settings.database_url, settings.startup_timeout).await?;
+    let store = match settings.membership.is_on() {
+        true => store.with_membership(server_name.clone()),
+        false => store,
+    };
     let instance_id = store.instance_id().await.map_err(StartError::Database)?;
     let js = jetstream::new(client.clone());
     let subjects = settings.input_subjects();
@@ -182,6 +186,16 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         settings.startup_spread,
         shutdown.clone(),
     ));
+    let sweeps = Arc::new(tokio::sync::Notify::new());
+    if settings.membership.is_on() {
+        let sweeper = crate::sweep::Sweeper {
+            store: store.clone(),
+            js: js.clone(),
+            wake: sweeps.clone(),
+            metrics: metrics.clone(),
+        };
+        tasks.spawn(sweeper.run(shutdown.clone()));
+    }
     let ingest = Ingest {
         js: js.clone(),
         store: store.clone(),
@@ -196,6 +210,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         ack_wait: settings.ack_wait,
         metrics,
         wakeups,
+        membership: settings.membership.is_on(),
+        member_keys: settings.msc4430.is_on(),
+        sweeps,
     };
     for (stream, consumer) in consumers {
         tasks.spawn(ingest.clone().run(stream, consumer, shutdown.clone()));

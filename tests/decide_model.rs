@@ -162,6 +162,7 @@ impl Ours {
             devices: self.devices.clone(),
             stale: self.stale.clone(),
             cross_signing: HashMap::new(),
+            rooms: None,
         };
         let plan = plan_batch(snapshot, batch, 0);
         self.users.extend(plan.users);

@@ -20,8 +20,8 @@ fn update(stream_id: i64, prev: &[i64]) -> InputMessage {
                  "keys": {"ed25519:DEV": format!("key{stream_id}")}, "signatures": {}}
     })
     .to_string();
-    let our = common::OUR_SERVER.try_into().unwrap();
-    match input::parse(InputKind::Update, body.as_bytes(), None, our) {
+    let rules = input::Rules::new(common::OUR_SERVER.try_into().unwrap());
+    match input::parse(InputKind::Update, body.as_bytes(), None, &rules) {
         Ok(Parsed::Accept(message)) => message,
         _ => panic!("test update does not parse"),
     }

@@ -1,9 +1,11 @@
 //! Any bytes on an input subject, with or without an `origin` header: the
-//! parser returns a verdict (never panics), and what it accepts plans.
+//! parser returns a verdict (never panics), and what it accepts plans. The
+//! kinds come from `InputKind::ALL`, so membership and member keys are in.
 #![no_main]
 
 use device_list_updater::decide::{Snapshot, plan_batch};
-use device_list_updater::input::{InputKind, Parsed, parse};
+use device_list_updater::decide::rooms::RoomSnapshot;
+use device_list_updater::input::{InputKind, Parsed, Rules, parse};
 use libfuzzer_sys::fuzz_target;
 use ruma::ServerName;
 
@@ -21,8 +23,21 @@ fuzz_target!(|data: &[u8]| {
     let Ok(own) = <&ServerName>::try_from("own.example") else {
         return;
     };
-    if let Ok(Parsed::Accept(message)) = parse(kind, body, origin, own) {
-        let plan = plan_batch(Snapshot::default(), &[message.clone(), message], 0);
+    // Membership and member keys on or off, chosen by the selector too.
+    let rules = Rules {
+        own_server: own,
+        membership: usize::from(selector) / kinds.len() / 3 % 2 == 1,
+        member_keys: usize::from(selector) / kinds.len() / 6 % 2 == 1,
+    };
+    if let Ok(Parsed::Accept(message)) = parse(kind, body, origin, &rules) {
+        // Planned under both tracking rules: everyone, and shared rooms.
+        let plan = plan_batch(Snapshot::default(), &[message.clone(), message.clone()], 0);
+        assert_eq!(plan.outcomes.len(), 2);
+        let rooms = Snapshot {
+            rooms: Some(RoomSnapshot::new(own.to_owned())),
+            ..Snapshot::default()
+        };
+        let plan = plan_batch(rooms, &[message.clone(), message], 0);
         assert_eq!(plan.outcomes.len(), 2);
     }
 });

@@ -10,6 +10,7 @@ mod m20261130_000001_initial;
 mod m20261201_000001_postgres_tuning;
 mod m20261201_000002_fetched_stream_id;
 mod m20261201_000003_fetch_backoff;
+mod m20261202_000001_rooms;
 
 /// The list of migrations, oldest first.
 pub struct Migrator;
@@ -22,6 +23,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261201_000001_postgres_tuning::Migration),
             Box::new(m20261201_000002_fetched_stream_id::Migration),
             Box::new(m20261201_000003_fetch_backoff::Migration),
+            Box::new(m20261202_000001_rooms::Migration),
         ]
     }
 }

@@ -7,6 +7,7 @@ use ruma::{OwnedDeviceId, OwnedServerName, OwnedUserId, UserId};
 
 use super::device::{DeviceRow, is_visible_change, same_json};
 use super::known_ids::KnownStreamIds;
+use super::rooms::{self, RoomSnapshot, RoomWrites};
 use super::rules::{UpdateDecision, decide_update};
 use crate::input::cross_signing::KeyUsage;
 use crate::input::{DeviceListUpdate, InputMessage, SigningKeyUpdate};
@@ -43,6 +44,9 @@ pub struct Snapshot {
     pub stale: HashMap<OwnedUserId, StaleMark>,
     /// Stored cross-signing keys.
     pub cross_signing: HashMap<(OwnedUserId, KeyUsage), String>,
+    /// With membership on (SPEC §5.5): the room state, and only users that
+    /// share a room with us are tracked. None: every remote user is.
+    pub rooms: Option<RoomSnapshot>,
 }
 
 /// What happened to one message (for logs and metrics).
@@ -62,6 +66,18 @@ pub enum Outcome {
     KeysChanged,
     /// Cross-signing keys were identical.
     KeysUnchanged,
+    /// About a user that shares no room with us: dropped (SPEC §5.5.6).
+    Untracked,
+    /// A membership or link change was applied.
+    MembershipApplied,
+    /// A membership or link change not newer than the stored one (SPEC
+    /// §5.5.2): ignored.
+    Replayed,
+    /// A link naming another user than the key's first (SPEC §5.6.2): not
+    /// applied; the message is dead-lettered.
+    LinkConflict,
+    /// Room input while membership is off: ignored.
+    MembershipOff,
 }
 
 impl Outcome {
@@ -75,6 +91,29 @@ impl Outcome {
             Outcome::ResyncRequested => "resync_requested",
             Outcome::KeysChanged => "keys_changed",
             Outcome::KeysUnchanged => "keys_unchanged",
+            Outcome::Untracked => "untracked",
+            Outcome::MembershipApplied => "applied",
+            Outcome::Replayed => "replayed",
+            Outcome::LinkConflict => "link_conflict",
+            Outcome::MembershipOff => "ignored",
+        }
+    }
+
+    /// Whether it is the outcome of room input (counted apart from updates).
+    pub fn is_room_outcome(self) -> bool {
+        match self {
+            Outcome::MembershipApplied
+            | Outcome::Replayed
+            | Outcome::LinkConflict
+            | Outcome::MembershipOff => true,
+            Outcome::Applied
+            | Outcome::Unchanged
+            | Outcome::Outdated
+            | Outcome::Stale
+            | Outcome::ResyncRequested
+            | Outcome::KeysChanged
+            | Outcome::KeysUnchanged
+            | Outcome::Untracked => false,
         }
     }
 }
@@ -96,18 +135,35 @@ pub struct Plan {
     pub outcomes: Vec<Outcome>,
     /// Servers that need a fetch job (they have a user marked stale here).
     pub fetch_servers: BTreeSet<OwnedServerName>,
+    /// Room rows, shared-room counts and users to untrack.
+    pub rooms: RoomWrites,
 }
 
 /// Folds `messages` over `snapshot`. `now_ms` stamps new stale marks.
 pub fn plan_batch(mut snapshot: Snapshot, messages: &[InputMessage], now_ms: i64) -> Plan {
     let mut plan = Plan::default();
     for message in messages {
+        let untracked = |user: &UserId| {
+            snapshot
+                .rooms
+                .as_ref()
+                .is_some_and(|rooms| !rooms.is_shared(user))
+        };
         let outcome = match message {
+            InputMessage::Update(update) if untracked(&update.user_id) => Outcome::Untracked,
+            InputMessage::SigningKey(keys) if untracked(&keys.user_id) => Outcome::Untracked,
+            InputMessage::Resync(request) if untracked(&request.user_id) => Outcome::Untracked,
             InputMessage::Update(update) => apply_update(&mut snapshot, &mut plan, update, now_ms),
             InputMessage::SigningKey(keys) => apply_signing_keys(&mut snapshot, &mut plan, keys),
             InputMessage::Resync(request) => {
                 mark_stale(&mut snapshot, &mut plan, &request.user_id, None, now_ms);
                 Outcome::ResyncRequested
+            }
+            InputMessage::Membership(change) => {
+                rooms::apply_membership(&mut snapshot, &mut plan, change, now_ms)
+            }
+            InputMessage::MemberKey(link) => {
+                rooms::apply_link(&mut snapshot, &mut plan, link, now_ms)
             }
         };
         plan.outcomes.push(outcome);
@@ -218,7 +274,9 @@ fn apply_signing_keys(
     Outcome::KeysChanged
 }
 
-fn mark_stale(
+/// Marks `user` stale (adding `trigger` to its mark) and asks for a fetch
+/// job for its server.
+pub(super) fn mark_stale(
     snapshot: &mut Snapshot,
     plan: &mut Plan,
     user: &UserId,

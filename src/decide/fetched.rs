@@ -62,6 +62,9 @@ pub enum FetchRefusal {
         /// Who the answer is about.
         answered: String,
     },
+    /// The user stopped sharing every room with us while the request was
+    /// in flight (SPEC §5.5.4): it is untracked, so nothing is stored.
+    Untracked,
 }
 
 /// What storing an answer does.

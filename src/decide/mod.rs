@@ -1,11 +1,12 @@
 //! Decide: the pure rules that turn input into writes and events (SPEC §5.1,
-//! §5.4). Nothing here does I/O, so all of it is unit-tested in memory.
+//! §5.4, §5.5, §5.6). Nothing here does I/O, so all of it is unit-tested in memory.
 
 pub mod batch;
 pub mod device;
 pub mod fetched;
 pub mod known_ids;
 pub mod membership;
+pub mod rooms;
 pub mod rules;
 
 pub use batch::{Outcome, Plan, Snapshot, StaleMark, UserState, plan_batch};

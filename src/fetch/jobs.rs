@@ -32,6 +32,7 @@ use super::federation::{FederationClient, FetchFailure};
 use super::retry::{Blame, FailureKind, RetryPolicy, blame, random_unit};
 use super::writer::{FetchWriter, Written};
 use crate::bus::fetch_jobs::{self, FetchJob};
+use crate::decide::fetched::FetchRefusal;
 use crate::shutdown::{AbortOnDrop, Shutdown};
 use crate::store::backoff::DueUser;
 use crate::store::fetched::FetchedUser;
@@ -421,6 +422,11 @@ impl Fetcher {
             .await;
         let plan = match written {
             Written::Stored(plan) => plan,
+            Written::Refused(FetchRefusal::Untracked) => {
+                // Shares no room any more: nothing to store, nothing failed.
+                self.metrics.fetch(server, "untracked", seconds);
+                return Ok(());
+            }
             Written::Refused(refusal) => {
                 self.metrics.fetch(server, "user_mismatch", seconds);
                 return Err(FetchFailure::new(

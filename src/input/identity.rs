@@ -82,6 +82,14 @@ pub enum IdentityError {
 }
 
 impl Identity {
+    /// The text it was read from (as stored).
+    pub fn as_str(&self) -> &str {
+        match self {
+            Identity::User(user) => user.as_str(),
+            Identity::Key(key) => key.as_str(),
+        }
+    }
+
     /// Reads a `state_key`. A member key is accepted only when `member_keys`
     /// (`DLU_MSC4430=on`); otherwise it is a malformed identity (SPEC §5.5.7).
     /// The two cannot be confused: a user id has a `:` and a server name,

@@ -6,7 +6,10 @@
 //! differently matches on [`InputKind`] or [`super::InputMessage`] without a
 //! catch-all arm, so the compiler points at each.
 
-use super::{DeviceListUpdate, InputMessage, Rejection, ResyncRequest, SigningKeyUpdate};
+use super::membership::{MemberKeyLink, MembershipChange};
+use super::{
+    DeadReason, DeviceListUpdate, InputMessage, Rejection, ResyncRequest, SigningKeyUpdate,
+};
 
 /// Which input a message came from, decided by its subject.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, strum::VariantArray)]
@@ -17,6 +20,10 @@ pub enum InputKind {
     SigningKey,
     /// A request to fetch a user's list again.
     Resync,
+    /// A room membership change (SPEC §5.5).
+    Membership,
+    /// An MSC4430 member key's link to its user (SPEC §5.6).
+    MemberKey,
 }
 
 impl InputKind {
@@ -29,6 +36,8 @@ impl InputKind {
             InputKind::Update => "devicelist.in.update",
             InputKind::SigningKey => "devicelist.in.signing_key",
             InputKind::Resync => "devicelist.in.resync",
+            InputKind::Membership => "devicelist.in.membership",
+            InputKind::MemberKey => "devicelist.in.member_key",
         }
     }
 
@@ -38,15 +47,41 @@ impl InputKind {
             InputKind::Update => "input_update_subject",
             InputKind::SigningKey => "input_signing_key_subject",
             InputKind::Resync => "input_resync_subject",
+            InputKind::Membership => "input_membership_subject",
+            InputKind::MemberKey => "input_member_key_subject",
         }
     }
 
-    /// Parses a body of this kind (size already checked).
-    pub fn parse_body(self, body: &[u8]) -> Result<InputMessage, Rejection> {
+    /// Whether messages of this kind are about rooms (SPEC §5.5): acked and
+    /// ignored while membership is off, and exempt from the own-user and
+    /// `origin` rules (our own users' memberships are what make a room ours).
+    pub fn is_room_input(self) -> bool {
+        match self {
+            InputKind::Membership | InputKind::MemberKey => true,
+            InputKind::Update | InputKind::SigningKey | InputKind::Resync => false,
+        }
+    }
+
+    /// Parses a body of this kind (size already checked). `member_keys`:
+    /// MSC4430 member keys are accepted (SPEC §5.6); without it a member
+    /// key is a malformed identity.
+    pub fn parse_body(self, body: &[u8], member_keys: bool) -> Result<InputMessage, Rejection> {
         Ok(match self {
             InputKind::Update => InputMessage::Update(DeviceListUpdate::parse(body)?),
             InputKind::SigningKey => InputMessage::SigningKey(SigningKeyUpdate::parse(body)?),
             InputKind::Resync => InputMessage::Resync(ResyncRequest::parse(body)?),
+            InputKind::Membership => {
+                InputMessage::Membership(MembershipChange::parse(body, member_keys)?)
+            }
+            InputKind::MemberKey if member_keys => {
+                InputMessage::MemberKey(MemberKeyLink::parse(body)?)
+            }
+            InputKind::MemberKey => {
+                return Err(Rejection::new(
+                    DeadReason::InvalidIdentity,
+                    "member keys are not accepted (DLU_MSC4430 is off)",
+                ));
+            }
         })
     }
 }

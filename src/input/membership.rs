@@ -27,7 +27,8 @@ pub enum Membership {
 }
 
 impl Membership {
-    fn parse(text: &str) -> Option<Membership> {
+    /// The membership named `text` (as in the event and the store).
+    pub fn parse(text: &str) -> Option<Membership> {
         Some(match text {
             "join" => Membership::Join,
             "leave" => Membership::Leave,
@@ -36,6 +37,17 @@ impl Membership {
             "ban" => Membership::Ban,
             _ => return None,
         })
+    }
+
+    /// Its name in events and in the store.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Membership::Join => "join",
+            Membership::Leave => "leave",
+            Membership::Invite => "invite",
+            Membership::Knock => "knock",
+            Membership::Ban => "ban",
+        }
     }
 }
 

@@ -19,6 +19,7 @@ use serde::Deserialize;
 
 pub use dead_letter::{DeadReason, Rejection};
 pub use kind::{InputKind, InputSubjects};
+pub use membership::{MemberKeyLink, MembershipChange};
 pub use resync::ResyncRequest;
 pub use signing_key::SigningKeyUpdate;
 pub use update::DeviceListUpdate;
@@ -35,15 +36,34 @@ pub enum InputMessage {
     SigningKey(SigningKeyUpdate),
     /// A request to refetch a user's list.
     Resync(ResyncRequest),
+    /// A room membership change.
+    Membership(MembershipChange),
+    /// A member key's link to its user.
+    MemberKey(MemberKeyLink),
 }
 
 impl InputMessage {
-    /// The user the message is about.
-    pub fn user_id(&self) -> &UserId {
+    /// The user the message is about. None for a member key's membership:
+    /// a key names a user only through its link (SPEC §5.6), never by itself.
+    pub fn user_id(&self) -> Option<&UserId> {
         match self {
-            InputMessage::Update(u) => &u.user_id,
-            InputMessage::SigningKey(s) => &s.user_id,
-            InputMessage::Resync(r) => &r.user_id,
+            InputMessage::Update(u) => Some(&u.user_id),
+            InputMessage::SigningKey(s) => Some(&s.user_id),
+            InputMessage::Resync(r) => Some(&r.user_id),
+            InputMessage::Membership(m) => match &m.identity {
+                identity::Identity::User(user) => Some(user),
+                identity::Identity::Key(_) => None,
+            },
+            InputMessage::MemberKey(link) => link.user_id.as_deref(),
+        }
+    }
+
+    /// The room the message is about (room input only).
+    pub fn room_id(&self) -> Option<&ruma::RoomId> {
+        match self {
+            InputMessage::Membership(m) => Some(&m.room_id),
+            InputMessage::MemberKey(link) => Some(&link.room_id),
+            InputMessage::Update(_) | InputMessage::SigningKey(_) | InputMessage::Resync(_) => None,
         }
     }
 
@@ -52,7 +72,9 @@ impl InputMessage {
     pub fn heard_from_server(&self) -> bool {
         match self {
             InputMessage::Update(_) | InputMessage::SigningKey(_) => true,
-            InputMessage::Resync(_) => false,
+            InputMessage::Resync(_) | InputMessage::Membership(_) | InputMessage::MemberKey(_) => {
+                false
+            }
         }
     }
 }
@@ -64,6 +86,30 @@ pub enum Parsed {
     Accept(InputMessage),
     /// Ack and ignore it: it is about one of our own users.
     OwnUser,
+    /// Ack and ignore it: room input while membership is off (SPEC §5.5.8).
+    MembershipOff,
+}
+
+/// The settings that change how input is read.
+#[derive(Clone, Copy, Debug)]
+pub struct Rules<'a> {
+    /// Our server: updates about its users are ignored.
+    pub own_server: &'a ServerName,
+    /// `DLU_MEMBERSHIP=on`: room input is read (SPEC §5.5).
+    pub membership: bool,
+    /// `DLU_MSC4430=on`: member keys are identities (SPEC §5.6).
+    pub member_keys: bool,
+}
+
+impl<'a> Rules<'a> {
+    /// Today's defaults: membership and member keys off.
+    pub fn new(own_server: &'a ServerName) -> Rules<'a> {
+        Rules {
+            own_server,
+            membership: false,
+            member_keys: false,
+        }
+    }
 }
 
 /// Checks one message: size, JSON shape, fields, and the `origin` rule.
@@ -71,28 +117,36 @@ pub fn parse(
     kind: InputKind,
     body: &[u8],
     origin: Option<&str>,
-    own_server: &ServerName,
+    rules: &Rules<'_>,
 ) -> Result<Parsed, Rejection> {
+    if kind.is_room_input() && !rules.membership {
+        return Ok(Parsed::MembershipOff);
+    }
     if body.len() > MAX_BODY_BYTES {
         return Err(Rejection::new(
             DeadReason::Oversized,
             format!("body has {} bytes, more than {MAX_BODY_BYTES}", body.len()),
         ));
     }
-    let message = kind.parse_body(body)?;
-    let user_server = message.user_id().server_name();
+    let message = kind.parse_body(body, rules.member_keys)?;
+    // Room input names our own users on purpose (they make a room ours),
+    // and comes from our homeserver, not over federation: no origin.
+    if kind.is_room_input() {
+        return Ok(Parsed::Accept(message));
+    }
+    let Some(user) = message.user_id() else {
+        return Ok(Parsed::Accept(message));
+    };
+    let user_server = user.server_name();
     if let Some(origin) = origin
         && origin != user_server.as_str()
     {
         return Err(Rejection::new(
             DeadReason::OriginMismatch,
-            format!(
-                "origin {origin:?} is not the server of {}",
-                message.user_id()
-            ),
+            format!("origin {origin:?} is not the server of {user}",),
         ));
     }
-    if user_server == own_server {
+    if user_server == rules.own_server {
         return Ok(Parsed::OwnUser);
     }
     Ok(Parsed::Accept(message))
@@ -113,8 +167,8 @@ fn from_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, Rejection> {
 mod tests {
     use super::*;
 
-    fn own() -> &'static ServerName {
-        <&ServerName>::try_from("our.example").unwrap()
+    fn own() -> Rules<'static> {
+        Rules::new(<&ServerName>::try_from("our.example").unwrap())
     }
 
     const UPDATE: &str = r#"{"user_id":"@a:remote.example","device_id":"D","stream_id":1}"#;
@@ -125,7 +179,7 @@ mod tests {
             InputKind::Update,
             UPDATE.as_bytes(),
             Some("evil.example"),
-            own(),
+            &own(),
         )
         .unwrap_err();
         assert_eq!(err.reason, DeadReason::OriginMismatch);
@@ -134,12 +188,12 @@ mod tests {
                 InputKind::Update,
                 UPDATE.as_bytes(),
                 Some("remote.example"),
-                own()
+                &own()
             ),
             Ok(Parsed::Accept(_))
         ));
         assert!(matches!(
-            parse(InputKind::Update, UPDATE.as_bytes(), None, own()),
+            parse(InputKind::Update, UPDATE.as_bytes(), None, &own()),
             Ok(Parsed::Accept(_))
         ));
     }
@@ -148,7 +202,7 @@ mod tests {
     fn own_users_are_ignored() {
         let body = r#"{"user_id":"@me:our.example","device_id":"D","stream_id":1}"#;
         assert_eq!(
-            parse(InputKind::Update, body.as_bytes(), None, own()),
+            parse(InputKind::Update, body.as_bytes(), None, &own()),
             Ok(Parsed::OwnUser)
         );
         assert_eq!(
@@ -156,7 +210,7 @@ mod tests {
                 InputKind::Resync,
                 br#"{"user_id":"@me:our.example"}"#,
                 None,
-                own()
+                &own()
             ),
             Ok(Parsed::OwnUser)
         );
@@ -166,7 +220,7 @@ mod tests {
     fn oversized_bodies_are_refused_before_parsing() {
         let body = vec![b' '; MAX_BODY_BYTES + 1];
         assert_eq!(
-            parse(InputKind::Update, &body, None, own())
+            parse(InputKind::Update, &body, None, &own())
                 .unwrap_err()
                 .reason,
             DeadReason::Oversized

@@ -1,6 +1,6 @@
 //! Storing a fetched device list (SPEC §5.3) and finding who to fetch.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use entity::{cross_signing_key, remote_device, remote_user, stale_user};
 use ruma::{OwnedUserId, UserId};
@@ -81,6 +81,20 @@ impl Store {
         users.sort_unstable();
         users.dedup();
         lock_users(&txn, &users).await?;
+        // With membership on, only users sharing a room are stored; their
+        // count rows are locked, so an untracking batch cannot pass this
+        // check unseen (SPEC §5.5.4).
+        let shared: Option<BTreeSet<OwnedUserId>> = match self.membership() {
+            true => Some(
+                super::rooms::shared_counts(&txn, &users, true)
+                    .await?
+                    .into_iter()
+                    .filter(|(_, n)| *n > 0)
+                    .map(|(user, _)| user)
+                    .collect(),
+            ),
+            false => None,
+        };
         let mut stored = load_users(&txn, &users).await?;
         let mut rows = Plan::default();
         let mut fresh = Vec::new();
@@ -88,6 +102,10 @@ impl Store {
         for item in items {
             let user = &item.user;
             let now = stored.remove(user).unwrap_or_default();
+            if shared.as_ref().is_some_and(|shared| !shared.contains(user)) {
+                outcomes.push(Err(FetchRefusal::Untracked));
+                continue;
+            }
             let outcome = plan_fetch(
                 user,
                 &now,

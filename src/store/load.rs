@@ -17,7 +17,10 @@ use crate::input::InputMessage;
 fn device_of(message: &InputMessage) -> Option<(&UserId, &DeviceId)> {
     match message {
         InputMessage::Update(u) => Some((&u.user_id, &u.device_id)),
-        InputMessage::SigningKey(_) | InputMessage::Resync(_) => None,
+        InputMessage::SigningKey(_)
+        | InputMessage::Resync(_)
+        | InputMessage::Membership(_)
+        | InputMessage::MemberKey(_) => None,
     }
 }
 
@@ -25,7 +28,10 @@ fn device_of(message: &InputMessage) -> Option<(&UserId, &DeviceId)> {
 fn needs_keys(message: &InputMessage) -> bool {
     match message {
         InputMessage::SigningKey(_) => true,
-        InputMessage::Update(_) | InputMessage::Resync(_) => false,
+        InputMessage::Update(_)
+        | InputMessage::Resync(_)
+        | InputMessage::Membership(_)
+        | InputMessage::MemberKey(_) => false,
     }
 }
 

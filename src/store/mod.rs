@@ -10,6 +10,7 @@ pub(crate) mod fetched;
 mod load;
 pub(crate) mod outbox;
 pub mod query;
+pub mod rooms;
 mod rows;
 mod write;
 
@@ -26,6 +27,7 @@ use tokio::sync::oneshot;
 use crate::decide::{Plan, plan_batch};
 use crate::input::InputMessage;
 use outbox::OutboxBatch;
+use ruma::{OwnedServerName, RoomId, UserId};
 
 /// The wall clock in Unix milliseconds, as every stored time is kept.
 pub fn now_ms() -> i64 {
@@ -111,6 +113,9 @@ impl Turn {
 #[derive(Clone, Debug)]
 pub struct Store {
     db: DatabaseConnection,
+    /// With membership on (SPEC §5.5): our server, whose identities make a
+    /// room ours; only users sharing a room are tracked. None: off.
+    own_server: Option<OwnedServerName>,
 }
 
 impl Store {
@@ -133,7 +138,20 @@ impl Store {
         }
         Ok(Store {
             db: Database::connect(options).await?,
+            own_server: None,
         })
+    }
+
+    /// This store with membership on (SPEC §5.5) for our server `own`:
+    /// batches keep room state, and users sharing no room are not tracked.
+    pub fn with_membership(mut self, own: OwnedServerName) -> Store {
+        self.own_server = Some(own);
+        self
+    }
+
+    /// Whether membership decides who is tracked.
+    pub fn membership(&self) -> bool {
+        self.own_server.is_some()
     }
 
     /// Connects, retrying until `wait` has passed.
@@ -189,15 +207,53 @@ impl Store {
             let _ = previous_locked.await;
         }
         let txn = self.begin_write().await?;
-        let mut users: Vec<&str> = messages.iter().map(|m| m.user_id().as_str()).collect();
-        users.sort_unstable();
-        users.dedup();
-        lock_users(&txn, &users).await?;
+        // Lock keys: the users the messages name, and their rooms (room ids
+        // and user ids never collide: `!` and `@`).
+        let mut keys: Vec<&str> = messages
+            .iter()
+            .filter_map(|m| m.user_id().map(UserId::as_str))
+            .chain(
+                messages
+                    .iter()
+                    .filter_map(|m| m.room_id().map(RoomId::as_str)),
+            )
+            .collect();
+        keys.sort_unstable();
+        keys.dedup();
+        lock_users(&txn, &keys).await?;
+        let rooms = match &self.own_server {
+            Some(own) => Some(rooms::load_rooms(&txn, own, messages).await?),
+            None => None,
+        };
+        let mut users: Vec<String> = keys
+            .iter()
+            .filter(|k| k.starts_with('@'))
+            .map(|k| (*k).to_owned())
+            .collect();
+        if let Some((_, linked)) = &rooms {
+            // Users named only by stored links: locked now, before the next
+            // batch may take its locks.
+            let more: Vec<&str> = linked
+                .iter()
+                .map(|u| u.as_str())
+                .filter(|u| keys.binary_search(u).is_err())
+                .collect();
+            lock_users(&txn, &more).await?;
+            users.extend(more.iter().map(|u| (*u).to_owned()));
+        }
         if let Some(locked) = turn.locked {
             let _ = locked.send(());
         }
-        let snapshot = load::snapshot(&txn, messages, &users).await?;
+        let users: Vec<&str> = users.iter().map(String::as_str).collect();
+        let mut snapshot = load::snapshot(&txn, messages, &users).await?;
+        if let Some((mut rooms, _)) = rooms {
+            rooms::load_shared(&txn, &mut rooms, &users).await?;
+            snapshot.rooms = Some(rooms);
+        }
         let plan = plan_batch(snapshot, messages, now_ms);
+        if let Some(own) = &self.own_server {
+            rooms::write(&txn, &plan.rooms, own).await?;
+        }
         let outbox = write::plan(&txn, &plan, now_ms).await?;
         if let Some(previous_committed) = turn.previous_committed
             && previous_committed.await != Ok(true)

@@ -31,6 +31,8 @@ pub struct UserView {
     pub master_key: Option<String>,
     /// The self-signing key JSON.
     pub self_signing_key: Option<String>,
+    /// With membership on: the rooms the user shares with us (SPEC §4.4).
+    pub shared_rooms: Option<u32>,
 }
 
 impl Store {
@@ -90,6 +92,16 @@ impl Store {
                     "self_signing" => view.self_signing_key = Some(row.key_json),
                     _ => {}
                 }
+            }
+        }
+        if self.membership() {
+            let ids: Vec<&str> = users.iter().map(String::as_str).collect();
+            let shared = self.shared_rooms(&ids).await?;
+            for (user, view) in views.iter_mut() {
+                let count = ruma::UserId::parse(user.as_str())
+                    .ok()
+                    .and_then(|u| shared.get(&u).copied());
+                view.shared_rooms = Some(count.unwrap_or(0));
             }
         }
         Ok(views)

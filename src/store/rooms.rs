@@ -1,0 +1,494 @@
+//! Room state (SPEC §5.5, §5.6): loading what a batch's room input needs,
+//! writing [`RoomWrites`] (untracking included), and the room sweeps.
+
+use std::collections::BTreeSet;
+
+use entity::{
+    cross_signing_key, member_key_link, remote_device, remote_user, room, room_member, room_user,
+    shared_user, stale_user,
+};
+use ruma::{OwnedRoomId, OwnedServerName, OwnedUserId, RoomId, ServerName};
+use sea_orm::sea_query::OnConflict;
+use sea_orm::{
+    ActiveValue::Set, ColumnTrait, ConnectionTrait, DbBackend, DbErr, EntityTrait, QueryFilter,
+    QueryOrder, QuerySelect,
+};
+
+use super::rows::CHUNK;
+use super::{Store, lock_users, write};
+use crate::decide::Plan;
+use crate::decide::membership::{Link, Member};
+use crate::decide::rooms::{RoomRow, RoomSnapshot, RoomUser, RoomWrites, plan_sweep};
+use crate::input::InputMessage;
+use crate::input::identity::{Identity, MemberKey};
+use crate::input::membership::Membership;
+
+/// Remote (room, user) pairs re-decided per sweep transaction: small enough
+/// that other input waits well under a second for a chunk.
+pub const SWEEP_CHUNK: u64 = 500;
+
+/// Loads the rooms, memberships and links `messages` name. Returns the
+/// snapshot without users yet, and the users whose rows it needs: the
+/// users the messages name and the users stored links name.
+pub(super) async fn load_rooms<C: ConnectionTrait>(
+    db: &C,
+    own: &OwnedServerName,
+    messages: &[InputMessage],
+) -> Result<(RoomSnapshot, BTreeSet<OwnedUserId>), DbErr> {
+    let mut snapshot = RoomSnapshot::new(own.clone());
+    let mut users: BTreeSet<OwnedUserId> = messages
+        .iter()
+        .filter_map(|m| m.user_id().map(ToOwned::to_owned))
+        .collect();
+    let rooms: BTreeSet<&str> = messages
+        .iter()
+        .filter_map(|m| m.room_id().map(RoomId::as_str))
+        .collect();
+    if rooms.is_empty() {
+        return Ok((snapshot, users));
+    }
+    let rooms: Vec<&str> = rooms.into_iter().collect();
+    let identities: BTreeSet<&str> = messages
+        .iter()
+        .filter_map(|m| match m {
+            InputMessage::Membership(change) => Some(change.identity.as_str()),
+            InputMessage::MemberKey(link) => Some(link.member_key.as_str()),
+            _ => None,
+        })
+        .collect();
+    let identities: Vec<&str> = identities.into_iter().collect();
+    for rooms in rooms.chunks(CHUNK) {
+        for row in room::Entity::find()
+            .filter(room::Column::RoomId.is_in(rooms.iter().copied()))
+            .all(db)
+            .await?
+        {
+            if let Ok(id) = OwnedRoomId::try_from(row.room_id) {
+                snapshot
+                    .rooms
+                    .insert(id, room_row(row.local_joined, row.sweep));
+            }
+        }
+        for identities in identities.chunks(CHUNK) {
+            for row in room_member::Entity::find()
+                .filter(room_member::Column::RoomId.is_in(rooms.iter().copied()))
+                .filter(room_member::Column::Identity.is_in(identities.iter().copied()))
+                .all(db)
+                .await?
+            {
+                let (Ok(room), Ok(identity), Some(membership)) = (
+                    OwnedRoomId::try_from(row.room_id),
+                    Identity::parse(&row.identity, true),
+                    Membership::parse(&row.membership),
+                ) else {
+                    continue;
+                };
+                let member = Member {
+                    membership,
+                    stream_ordering: row.stream_ordering,
+                };
+                snapshot.members.insert((room, identity), member);
+            }
+            for row in member_key_link::Entity::find()
+                .filter(member_key_link::Column::RoomId.is_in(rooms.iter().copied()))
+                .filter(member_key_link::Column::MemberKey.is_in(identities.iter().copied()))
+                .all(db)
+                .await?
+            {
+                let (Ok(room), Ok(key)) = (
+                    OwnedRoomId::try_from(row.room_id),
+                    MemberKey::parse(&row.member_key),
+                ) else {
+                    continue;
+                };
+                let user = row.user_id.and_then(|u| OwnedUserId::try_from(u).ok());
+                users.extend(user.clone());
+                let link = Link {
+                    user,
+                    erased: row.erased,
+                    verified: row.verified,
+                    stream_ordering: row.stream_ordering,
+                };
+                snapshot.links.insert((room, key), link);
+            }
+        }
+    }
+    let user_ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
+    for rooms in rooms.chunks(CHUNK) {
+        for chunk in user_ids.chunks(CHUNK) {
+            for row in room_user::Entity::find()
+                .filter(room_user::Column::RoomId.is_in(rooms.iter().copied()))
+                .filter(room_user::Column::UserId.is_in(chunk.iter().copied()))
+                .all(db)
+                .await?
+            {
+                insert_pair(&mut snapshot, row);
+            }
+        }
+    }
+    Ok((snapshot, users))
+}
+
+/// Loads the shared-room counts of `users` into `snapshot`. On PostgreSQL
+/// the rows are locked (`FOR UPDATE`), so a fetch that checks them waits
+/// until this transaction has untracked or not.
+pub(super) async fn load_shared<C: ConnectionTrait>(
+    db: &C,
+    snapshot: &mut RoomSnapshot,
+    users: &[&str],
+) -> Result<(), DbErr> {
+    for (user, count) in shared_counts(db, users, true).await? {
+        snapshot.shared.insert(user, count);
+    }
+    Ok(())
+}
+
+/// The shared-room counts of `users` (absent: zero); `lock`: on PostgreSQL
+/// take the rows' locks for the rest of the transaction.
+pub(super) async fn shared_counts<C: ConnectionTrait>(
+    db: &C,
+    users: &[&str],
+    lock: bool,
+) -> Result<Vec<(OwnedUserId, u32)>, DbErr> {
+    let mut counts = Vec::new();
+    for chunk in users.chunks(CHUNK) {
+        let mut query = shared_user::Entity::find()
+            .filter(shared_user::Column::UserId.is_in(chunk.iter().copied()));
+        if lock && db.get_database_backend() == DbBackend::Postgres {
+            query = query.lock_exclusive();
+        }
+        for row in query.all(db).await? {
+            if let Ok(user) = OwnedUserId::try_from(row.user_id) {
+                counts.push((user, u32::try_from(row.shared_rooms).unwrap_or(0)));
+            }
+        }
+    }
+    Ok(counts)
+}
+
+fn room_row(local_joined: i32, sweep: bool) -> RoomRow {
+    RoomRow {
+        local_joined: u32::try_from(local_joined).unwrap_or(0),
+        sweep,
+    }
+}
+
+fn insert_pair(snapshot: &mut RoomSnapshot, row: room_user::Model) {
+    if let (Ok(room), Ok(user)) = (
+        OwnedRoomId::try_from(row.room_id),
+        OwnedUserId::try_from(row.user_id),
+    ) {
+        let pair = RoomUser {
+            joined: u32::try_from(row.joined).unwrap_or(0),
+            shares: row.shares,
+        };
+        snapshot.room_users.insert((room, user), pair);
+    }
+}
+
+fn to_i32(n: u32) -> i32 {
+    i32::try_from(n).unwrap_or(i32::MAX)
+}
+
+/// Writes the room rows of a plan. Untracking comes first: every row of
+/// the users that stopped sharing goes, in this transaction (SPEC §5.5.4);
+/// rows the same plan writes for them afterwards (a rejoin) then stand.
+pub(super) async fn write<C: ConnectionTrait>(
+    db: &C,
+    writes: &RoomWrites,
+    own: &ServerName,
+) -> Result<(), DbErr> {
+    let untrack: Vec<&str> = writes.untrack.iter().map(|u| u.as_str()).collect();
+    for chunk in untrack.chunks(CHUNK) {
+        let ids = || chunk.iter().copied();
+        remote_device::Entity::delete_many()
+            .filter(remote_device::Column::UserId.is_in(ids()))
+            .exec(db)
+            .await?;
+        remote_user::Entity::delete_many()
+            .filter(remote_user::Column::UserId.is_in(ids()))
+            .exec(db)
+            .await?;
+        stale_user::Entity::delete_many()
+            .filter(stale_user::Column::UserId.is_in(ids()))
+            .exec(db)
+            .await?;
+        cross_signing_key::Entity::delete_many()
+            .filter(cross_signing_key::Column::UserId.is_in(ids()))
+            .exec(db)
+            .await?;
+    }
+    let rooms: Vec<room::ActiveModel> = writes
+        .rooms
+        .iter()
+        .map(|(id, row)| room::ActiveModel {
+            room_id: Set(id.to_string()),
+            local_joined: Set(to_i32(row.local_joined)),
+            sweep: Set(row.sweep),
+        })
+        .collect();
+    for chunk in rooms.chunks(CHUNK) {
+        room::Entity::insert_many(chunk.to_vec())
+            .on_conflict(
+                OnConflict::column(room::Column::RoomId)
+                    .update_columns([room::Column::LocalJoined, room::Column::Sweep])
+                    .to_owned(),
+            )
+            .exec_without_returning(db)
+            .await?;
+    }
+    let members: Vec<room_member::ActiveModel> = writes
+        .members
+        .iter()
+        .map(|((room, identity), member)| room_member::ActiveModel {
+            room_id: Set(room.to_string()),
+            identity: Set(identity.as_str().to_owned()),
+            membership: Set(member.membership.as_str().to_owned()),
+            stream_ordering: Set(member.stream_ordering),
+        })
+        .collect();
+    for chunk in members.chunks(CHUNK) {
+        room_member::Entity::insert_many(chunk.to_vec())
+            .on_conflict(
+                OnConflict::columns([room_member::Column::RoomId, room_member::Column::Identity])
+                    .update_columns([
+                        room_member::Column::Membership,
+                        room_member::Column::StreamOrdering,
+                    ])
+                    .to_owned(),
+            )
+            .exec_without_returning(db)
+            .await?;
+    }
+    let links: Vec<member_key_link::ActiveModel> = writes
+        .links
+        .iter()
+        .map(|((room, key), link)| member_key_link::ActiveModel {
+            room_id: Set(room.to_string()),
+            member_key: Set(key.as_str().to_owned()),
+            user_id: Set(link.user.as_ref().map(ToString::to_string)),
+            erased: Set(link.erased),
+            verified: Set(link.verified),
+            stream_ordering: Set(link.stream_ordering),
+        })
+        .collect();
+    for chunk in links.chunks(CHUNK) {
+        member_key_link::Entity::insert_many(chunk.to_vec())
+            .on_conflict(
+                OnConflict::columns([
+                    member_key_link::Column::RoomId,
+                    member_key_link::Column::MemberKey,
+                ])
+                .update_columns([
+                    member_key_link::Column::UserId,
+                    member_key_link::Column::Erased,
+                    member_key_link::Column::Verified,
+                    member_key_link::Column::StreamOrdering,
+                ])
+                .to_owned(),
+            )
+            .exec_without_returning(db)
+            .await?;
+    }
+    // `remote` is stored so the sweep selects remote pairs without
+    // parsing user ids.
+    let pairs: Vec<room_user::ActiveModel> = writes
+        .room_users
+        .iter()
+        .map(|((room, user), pair)| room_user::ActiveModel {
+            room_id: Set(room.to_string()),
+            remote: Set(user.server_name() != own),
+            user_id: Set(user.to_string()),
+            joined: Set(to_i32(pair.joined)),
+            shares: Set(pair.shares),
+        })
+        .collect();
+    for chunk in pairs.chunks(CHUNK) {
+        room_user::Entity::insert_many(chunk.to_vec())
+            .on_conflict(
+                OnConflict::columns([room_user::Column::RoomId, room_user::Column::UserId])
+                    .update_columns([room_user::Column::Joined, room_user::Column::Shares])
+                    .to_owned(),
+            )
+            .exec_without_returning(db)
+            .await?;
+    }
+    let gone: Vec<&str> = writes
+        .shared
+        .iter()
+        .filter(|(_, n)| **n == 0)
+        .map(|(u, _)| u.as_str())
+        .collect();
+    for chunk in gone.chunks(CHUNK) {
+        shared_user::Entity::delete_many()
+            .filter(shared_user::Column::UserId.is_in(chunk.iter().copied()))
+            .exec(db)
+            .await?;
+    }
+    let counts: Vec<shared_user::ActiveModel> = writes
+        .shared
+        .iter()
+        .filter(|(_, n)| **n > 0)
+        .map(|(user, n)| shared_user::ActiveModel {
+            user_id: Set(user.to_string()),
+            server_name: Set(user.server_name().to_string()),
+            shared_rooms: Set(to_i32(*n)),
+        })
+        .collect();
+    for chunk in counts.chunks(CHUNK) {
+        shared_user::Entity::insert_many(chunk.to_vec())
+            .on_conflict(
+                OnConflict::column(shared_user::Column::UserId)
+                    .update_column(shared_user::Column::SharedRooms)
+                    .to_owned(),
+            )
+            .exec_without_returning(db)
+            .await?;
+    }
+    Ok(())
+}
+
+/// What one sweep transaction did.
+#[derive(Debug)]
+pub struct SweepChunk {
+    /// The plan written (untracked users, stale marks, fetch servers).
+    pub plan: Plan,
+    /// The room needs no more chunks.
+    pub done: bool,
+}
+
+impl Store {
+    /// Remote users sharing a room with us.
+    pub async fn tracked_user_count(&self) -> Result<u64, DbErr> {
+        use sea_orm::PaginatorTrait;
+        shared_user::Entity::find().count(&self.db).await
+    }
+
+    /// How many rooms each of `users` shares with us (absent: none).
+    pub async fn shared_rooms(
+        &self,
+        users: &[&str],
+    ) -> Result<std::collections::BTreeMap<OwnedUserId, u32>, DbErr> {
+        Ok(shared_counts(&self.db, users, false)
+            .await?
+            .into_iter()
+            .collect())
+    }
+
+    /// Rooms with a pending sweep (our server joined or left them).
+    pub async fn rooms_to_sweep(&self) -> Result<Vec<OwnedRoomId>, DbErr> {
+        Ok(room::Entity::find()
+            .select_only()
+            .column(room::Column::RoomId)
+            .filter(room::Column::Sweep.eq(true))
+            .into_tuple::<String>()
+            .all(&self.db)
+            .await?
+            .into_iter()
+            .filter_map(|id| OwnedRoomId::try_from(id).ok())
+            .collect())
+    }
+
+    /// Re-decides up to [`SWEEP_CHUNK`] remote pairs of `room` whose
+    /// counted state is wrong, in one transaction under the room's and the
+    /// users' locks. Ends the sweep when none is left.
+    pub async fn sweep_room(&self, room_id: &RoomId, now_ms: i64) -> Result<SweepChunk, DbErr> {
+        let Some(own) = self.own_server.clone() else {
+            return Ok(SweepChunk {
+                plan: Plan::default(),
+                done: true,
+            });
+        };
+        // Candidates first, outside the locks; re-read under them.
+        let candidates = self.wrong_pairs(&self.db, room_id).await?;
+        let txn = self.begin_write().await?;
+        let mut keys: Vec<&str> = candidates.iter().map(|u| u.as_str()).collect();
+        keys.push(room_id.as_str());
+        keys.sort_unstable();
+        lock_users(&txn, &keys).await?;
+        let Some(row) = room::Entity::find_by_id(room_id.as_str().to_owned())
+            .one(&txn)
+            .await?
+        else {
+            txn.commit().await?;
+            return Ok(SweepChunk {
+                plan: Plan::default(),
+                done: true,
+            });
+        };
+        let wrong = self.wrong_pairs(&txn, room_id).await?;
+        // Only pairs whose users this transaction holds; others next time.
+        let locked: BTreeSet<&OwnedUserId> = candidates.iter().collect();
+        let chunk = usize::try_from(SWEEP_CHUNK).unwrap_or(usize::MAX);
+        let last = wrong.len() < chunk && wrong.iter().all(|u| locked.contains(u));
+        let users: Vec<OwnedUserId> = wrong.into_iter().filter(|u| locked.contains(u)).collect();
+        let mut rooms = RoomSnapshot::new(own.clone());
+        rooms
+            .rooms
+            .insert(room_id.to_owned(), room_row(row.local_joined, row.sweep));
+        let ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
+        for chunk in ids.chunks(CHUNK) {
+            for pair in room_user::Entity::find()
+                .filter(room_user::Column::RoomId.eq(room_id.as_str()))
+                .filter(room_user::Column::UserId.is_in(chunk.iter().copied()))
+                .all(&txn)
+                .await?
+            {
+                insert_pair(&mut rooms, pair);
+            }
+        }
+        load_shared(&txn, &mut rooms, &ids).await?;
+        let mut snapshot = super::load::snapshot(&txn, &[], &ids).await?;
+        snapshot.rooms = Some(rooms);
+        let plan = plan_sweep(snapshot, room_id, &users, last, now_ms);
+        write(&txn, &plan.rooms, &own).await?;
+        write::plan(&txn, &plan, now_ms).await?;
+        txn.commit().await?;
+        Ok(SweepChunk { plan, done: last })
+    }
+
+    /// Remote users of `room` whose pair is counted wrongly: `shares` is
+    /// not "joined and the room is ours". At most [`SWEEP_CHUNK`].
+    async fn wrong_pairs<C: ConnectionTrait>(
+        &self,
+        db: &C,
+        room_id: &RoomId,
+    ) -> Result<Vec<OwnedUserId>, DbErr> {
+        let ours = room::Entity::find_by_id(room_id.as_str().to_owned())
+            .one(db)
+            .await?
+            .is_some_and(|r| r.local_joined > 0);
+        let query = room_user::Entity::find()
+            .select_only()
+            .column(room_user::Column::UserId)
+            .filter(room_user::Column::RoomId.eq(room_id.as_str()))
+            .filter(room_user::Column::Remote.eq(true));
+        let query = if ours {
+            // Should share exactly when joined.
+            query.filter(
+                sea_orm::Condition::any()
+                    .add(
+                        sea_orm::Condition::all()
+                            .add(room_user::Column::Joined.gt(0))
+                            .add(room_user::Column::Shares.eq(false)),
+                    )
+                    .add(
+                        sea_orm::Condition::all()
+                            .add(room_user::Column::Joined.lte(0))
+                            .add(room_user::Column::Shares.eq(true)),
+                    ),
+            )
+        } else {
+            query.filter(room_user::Column::Shares.eq(true))
+        };
+        Ok(query
+            .order_by_asc(room_user::Column::UserId)
+            .limit(SWEEP_CHUNK)
+            .into_tuple::<String>()
+            .all(db)
+            .await?
+            .into_iter()
+            .filter_map(|u| OwnedUserId::try_from(u).ok())
+            .collect())
+    }
+}

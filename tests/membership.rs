@@ -1,0 +1,349 @@
+//! Rooms decide who is tracked (SPEC §5.5, §5.6), end to end through a real
+//! nats-server on SQLite and PostgreSQL, with a mock fleet of remote servers.
+//! After every test: no federation request, key change or RPC reply names a
+//! member key.
+
+mod common;
+
+use std::time::Duration;
+
+use common::fetch_env::{Env, update};
+use common::{Backend, publish, read_stream, wait_stream};
+use device_list_updater::config::Switch;
+use device_list_updater::testkit::remote::{Reply, device_list};
+use serde_json::{Value, json};
+
+const ME: &str = "@me:our.example";
+const BOB: &str = "@bob:remote.example";
+const CAROL: &str = "@carol:other.example";
+const DAN: &str = "@dan:remote.example";
+const SERVERS: &[&str] = &["remote.example", "other.example"];
+/// Member keys: `@` + 43 characters of URL-safe base64.
+const BOB_KEY: &str = "@l8Hft5qXKn1vfHrg3p4-W8gELQVo8N13JkluMfmn2sQ";
+const MY_KEY: &str = "@AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
+
+async fn env(backend: Backend, member_keys: bool) -> Env {
+    Env::start(backend, SERVERS, Duration::ZERO, |config| {
+        config.settings.membership = Switch::On;
+        if member_keys {
+            config.settings.msc4430 = Switch::On;
+        }
+    })
+    .await
+}
+
+fn membership(room: &str, who: &str, membership: &str, at: i64) -> Value {
+    json!({"room_id": room, "state_key": who, "membership": membership, "stream_ordering": at})
+}
+
+async fn member(env: &Env, room: &str, who: &str, what: &str, at: i64) {
+    let body = membership(room, who, what, at).to_string();
+    publish(&env.js, "devicelist.in.membership", &body, None).await;
+}
+
+async fn link(env: &Env, room: &str, key: &str, user: Option<&str>, verified: bool, at: i64) {
+    let body = json!({"room_id": room, "member_key": key, "user_id": user,
+                      "verified": verified, "stream_ordering": at});
+    publish(&env.js, "devicelist.in.member_key", &body.to_string(), None).await;
+}
+
+/// Scripts one device list for `user` per future fetch.
+fn lists(env: &Env, user: &str, fetches: usize) {
+    let replies = (0..fetches)
+        .map(|n| Reply::Json(device_list(user, 10 + n as i64, &[("PHONE", "Phone")])))
+        .collect();
+    env.fleet.script(user, replies);
+}
+
+async fn query(env: &Env, user: &str) -> Value {
+    let client = env.nats.client().await;
+    let body = json!({"user_ids": [user]}).to_string();
+    let reply = tokio::time::timeout(
+        Duration::from_secs(20),
+        client.request("devicelist.rpc.query", body.into()),
+    )
+    .await
+    .expect("a reply in time")
+    .expect("request");
+    let reply: Value = serde_json::from_slice(&reply.payload).expect("JSON");
+    assert!(!reply.to_string().contains(BOB_KEY) && !reply.to_string().contains(MY_KEY));
+    reply["users"][user].clone()
+}
+
+async fn shared_rooms(env: &Env, user: &str) -> Value {
+    query(env, user).await["shared_rooms"].clone()
+}
+
+/// Waits until `user` shares `n` rooms (as the query RPC reports).
+async fn wait_shared(env: &Env, user: &str, n: u64) {
+    common::eventually(
+        Duration::from_secs(20),
+        &format!("{user} shares {n} rooms"),
+        || async { (shared_rooms(env, user).await == json!(n)).then_some(()) },
+    )
+    .await;
+}
+
+/// No request, key change or reply named a member key.
+async fn no_key_named(env: &Env) {
+    for path in env.fleet.raw_paths() {
+        assert!(
+            !path.contains("l8Hft5") && !path.contains("AAAAAAAA"),
+            "a request named a key: {path}"
+        );
+    }
+    for event in read_stream(&env.js, "KEY_CHANGE").await {
+        let text = event.json.to_string();
+        assert!(!text.contains(BOB_KEY) && !text.contains(MY_KEY), "{text}");
+        let user = event.header("user_id").unwrap_or_default();
+        assert!(user.contains(':'), "key change for {user}");
+    }
+}
+
+/// §5.5.1, 3, 4, 6: join → fetch; a second room → no fetch; the last leave
+/// untracks without a key change; updates for the untracked are dropped;
+/// a rejoin fetches again.
+async fn join_fetch_leave_untrack_rejoin(backend: Backend) {
+    let env = env(backend, false).await;
+    lists(&env, BOB, 2);
+    member(&env, "!a:our.example", ME, "join", 1).await;
+    member(&env, "!a:our.example", BOB, "join", 2).await;
+    env.wait_fresh(BOB, 1).await;
+    wait_stream(&env.js, "KEY_CHANGE", 1).await;
+    assert_eq!(env.devices(BOB).await, [("PHONE".to_owned(), false)]);
+    assert_eq!(shared_rooms(&env, BOB).await, 1);
+
+    member(&env, "!b:our.example", ME, "join", 1).await;
+    member(&env, "!b:our.example", BOB, "join", 2).await;
+    wait_shared(&env, BOB, 2).await;
+    member(&env, "!a:our.example", BOB, "leave", 3).await;
+    wait_shared(&env, BOB, 1).await;
+    assert_eq!(env.fleet.requests(BOB), 1, "a further room fetches nothing");
+    assert_eq!(env.devices(BOB).await.len(), 1, "still tracked");
+
+    member(&env, "!b:our.example", BOB, "leave", 3).await;
+    wait_shared(&env, BOB, 0).await;
+    env.settled().await;
+    assert!(env.devices(BOB).await.is_empty(), "untracked: devices gone");
+    let view = query(&env, BOB).await;
+    assert_eq!(view["tracked"], false, "{view}");
+    assert_eq!(
+        common::stream_len(&env.js, "KEY_CHANGE").await,
+        1,
+        "no key change"
+    );
+
+    // An update and a resync for an untracked user: nothing stored, no fetch.
+    env.update(update(BOB, "LAPTOP", 20, &[], "Laptop")).await;
+    env.resync(BOB).await;
+    env.settled().await;
+    assert!(env.devices(BOB).await.is_empty());
+    assert!(!env.is_stale(BOB).await);
+    assert_eq!(env.fleet.requests(BOB), 1);
+
+    // Back in a shared room: its server stopped telling us, so fetch again.
+    member(&env, "!b:our.example", BOB, "join", 4).await;
+    env.wait_fresh(BOB, 2).await;
+    common::eventually(Duration::from_secs(20), "refetched devices", || async {
+        (env.devices(BOB).await.len() == 1).then_some(())
+    })
+    .await;
+    no_key_named(&env).await;
+}
+both_backends!(join_leave_rejoin, join_fetch_leave_untrack_rejoin);
+
+/// §5.5.2: a change not newer than the stored one is ignored.
+async fn replayed_changes_are_ignored(backend: Backend) {
+    let env = env(backend, false).await;
+    lists(&env, BOB, 1);
+    member(&env, "!a:our.example", ME, "join", 1).await;
+    member(&env, "!a:our.example", BOB, "join", 5).await;
+    member(&env, "!a:our.example", BOB, "leave", 4).await;
+    member(&env, "!a:our.example", BOB, "leave", 5).await;
+    env.wait_fresh(BOB, 1).await;
+    env.settled().await;
+    assert_eq!(
+        shared_rooms(&env, BOB).await,
+        1,
+        "the older leaves were ignored"
+    );
+}
+both_backends!(replays, replayed_changes_are_ignored);
+
+/// §5.5.5: our last local identity leaving (a user id, or a key) untracks
+/// every remote member of the room; a room becoming ours starts them.
+async fn our_server_leaving_a_room(backend: Backend) {
+    let env = env(backend, true).await;
+    for user in [BOB, CAROL, DAN] {
+        lists(&env, user, 1);
+    }
+    // Remote members first: the room is not ours yet, nobody is fetched.
+    member(&env, "!a:our.example", BOB, "join", 1).await;
+    member(&env, "!a:our.example", CAROL, "join", 2).await;
+    env.settled().await;
+    assert_eq!(env.fleet.total_requests(), 0);
+    // Our user joins: the sweep starts both.
+    member(&env, "!a:our.example", ME, "join", 3).await;
+    env.wait_fresh(BOB, 1).await;
+    env.wait_fresh(CAROL, 1).await;
+    // Dan shares another room, ours through a verified member key of ME.
+    link(&env, "!k:our.example", MY_KEY, Some(ME), true, 1).await;
+    member(&env, "!k:our.example", MY_KEY, "join", 2).await;
+    member(&env, "!k:our.example", DAN, "join", 3).await;
+    env.wait_fresh(DAN, 1).await;
+
+    member(&env, "!a:our.example", ME, "leave", 4).await;
+    wait_shared(&env, BOB, 0).await;
+    wait_shared(&env, CAROL, 0).await;
+    assert!(env.devices(BOB).await.is_empty() && env.devices(CAROL).await.is_empty());
+    assert_eq!(
+        shared_rooms(&env, DAN).await,
+        1,
+        "another room is untouched"
+    );
+    // The local key leaves: Dan goes too.
+    member(&env, "!k:our.example", MY_KEY, "leave", 4).await;
+    wait_shared(&env, DAN, 0).await;
+    env.settled().await;
+    assert!(env.devices(DAN).await.is_empty());
+    no_key_named(&env).await;
+}
+both_backends!(our_server_leaves, our_server_leaving_a_room);
+
+/// §5.6: a key counts only through a verified link in its own room; the
+/// verification flipping starts and ends sharing; a link never changes
+/// user; link before or after the membership ends the same.
+async fn member_key_links(backend: Backend) {
+    let env = env(backend, true).await;
+    lists(&env, BOB, 2);
+    member(&env, "!a:our.example", ME, "join", 1).await;
+    member(&env, "!b:our.example", ME, "join", 1).await;
+    // Linked in room b, joined in room a: names nobody in a.
+    link(&env, "!b:our.example", BOB_KEY, Some(BOB), true, 2).await;
+    member(&env, "!a:our.example", BOB_KEY, "join", 2).await;
+    // Joined in room c before a link is known, then an unverified link.
+    member(&env, "!c:our.example", ME, "join", 1).await;
+    member(&env, "!c:our.example", BOB_KEY, "join", 2).await;
+    link(&env, "!c:our.example", BOB_KEY, Some(BOB), false, 3).await;
+    env.settled().await;
+    assert_eq!(shared_rooms(&env, BOB).await, 0);
+    assert_eq!(env.fleet.requests(BOB), 0);
+
+    // Verified: Bob shares room c and is fetched.
+    link(&env, "!c:our.example", BOB_KEY, Some(BOB), true, 4).await;
+    env.wait_fresh(BOB, 1).await;
+    assert_eq!(shared_rooms(&env, BOB).await, 1);
+
+    // Another user for the same key and room: dead-lettered, first link stays.
+    link(&env, "!c:our.example", BOB_KEY, Some(CAROL), true, 5).await;
+    let dead = wait_stream(&env.js, "DEVICE_LIST_DEAD", 1).await;
+    assert_eq!(dead[0].subject, "devicelist.dead.link_conflict");
+    assert_eq!(shared_rooms(&env, BOB).await, 1);
+    assert_eq!(shared_rooms(&env, CAROL).await, 0);
+
+    // Verification lost: as a leave; untracked.
+    link(&env, "!c:our.example", BOB_KEY, Some(BOB), false, 6).await;
+    wait_shared(&env, BOB, 0).await;
+    env.settled().await;
+    assert!(env.devices(BOB).await.is_empty());
+
+    // Room b: the link came first; the membership now makes Bob share it.
+    member(&env, "!b:our.example", BOB_KEY, "join", 3).await;
+    env.wait_fresh(BOB, 2).await;
+    wait_shared(&env, BOB, 1).await;
+    no_key_named(&env).await;
+}
+both_backends!(member_keys, member_key_links);
+
+/// §5.5.7, §5.6.2: each malformed message is dead-lettered alone, the good
+/// ones of the same burst apply; with DLU_MSC4430=off a key is malformed.
+async fn malformed_messages_alone(backend: Backend) {
+    let env = env(backend, false).await;
+    lists(&env, BOB, 1);
+    let bad = [
+        json!({"state_key": BOB, "membership": "join", "stream_ordering": 1}),
+        membership("!a:our.example", "bob", "join", 1),
+        membership("!a:our.example", BOB_KEY, "join", 1),
+        membership("!a:our.example", BOB, "joined", 1),
+        membership("!a:our.example", BOB, "join", -1),
+        json!({"room_id": "!a:our.example", "state_key": BOB, "membership": "join",
+               "stream_ordering": "x"}),
+    ];
+    publish(
+        &env.js,
+        "devicelist.in.membership",
+        &membership("!a:our.example", ME, "join", 1).to_string(),
+        None,
+    )
+    .await;
+    for body in &bad {
+        publish(&env.js, "devicelist.in.membership", &body.to_string(), None).await;
+    }
+    publish(
+        &env.js,
+        "devicelist.in.membership",
+        &membership("!a:our.example", BOB, "join", 2).to_string(),
+        None,
+    )
+    .await;
+    // With member keys off, a member_key message is malformed too.
+    link(&env, "!a:our.example", BOB_KEY, Some(BOB), true, 3).await;
+    env.wait_fresh(BOB, 1).await;
+    let dead = wait_stream(&env.js, "DEVICE_LIST_DEAD", bad.len() as u64 + 1).await;
+    let mut reasons: Vec<&str> = dead.iter().map(|d| d.subject.as_str()).collect();
+    reasons.sort_unstable();
+    assert_eq!(
+        reasons,
+        [
+            "devicelist.dead.invalid_identity",
+            "devicelist.dead.invalid_identity",
+            "devicelist.dead.invalid_identity",
+            "devicelist.dead.invalid_membership",
+            "devicelist.dead.invalid_room_id",
+            "devicelist.dead.invalid_stream_ordering",
+            "devicelist.dead.invalid_stream_ordering",
+        ]
+    );
+    assert_eq!(shared_rooms(&env, BOB).await, 1);
+}
+both_backends!(malformed, malformed_messages_alone);
+
+/// §5.5.8: with membership off, membership messages are acked and ignored
+/// and every remote user is tracked as before.
+async fn membership_off_ignores(backend: Backend) {
+    let env = Env::start(backend, SERVERS, Duration::ZERO, |_| {}).await;
+    lists(&env, BOB, 1);
+    member(&env, "!a:our.example", ME, "join", 1).await;
+    member(&env, "!a:our.example", BOB, "leave", 2).await;
+    publish(&env.js, "devicelist.in.membership", "not json", None).await;
+    env.update(update(BOB, "PHONE", 10, &[], "Phone")).await;
+    env.wait_fresh(BOB, 1).await;
+    env.settled().await;
+    assert_eq!(common::stream_len(&env.js, "DEVICE_LIST_DEAD").await, 0);
+    let view = query(&env, BOB).await;
+    assert_eq!(view["tracked"], true);
+    assert!(view.get("shared_rooms").is_none(), "{view}");
+}
+both_backends!(membership_off, membership_off_ignores);
+
+/// §5.5.6: the resync RPC for a user sharing no room says so.
+async fn resync_rpc_for_an_unshared_user(backend: Backend) {
+    let env = env(backend, false).await;
+    let client = env.nats.client().await;
+    let body = json!({"user_id": BOB, "timeout_ms": 2000}).to_string();
+    let reply = client
+        .request("devicelist.rpc.resync", body.into())
+        .await
+        .expect("reply");
+    let reply: Value = serde_json::from_slice(&reply.payload).expect("JSON");
+    assert_eq!(reply["synced"], false);
+    assert!(
+        reply["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("shares no room"),
+        "{reply}"
+    );
+    assert_eq!(env.fleet.requests(BOB), 0);
+}
+both_backends!(resync_unshared, resync_rpc_for_an_unshared_user);
