@@ -84,6 +84,48 @@ pub async fn resync(
     Ok(json!({"user_id": user, "marked_stale": true, "job_enqueued": true}))
 }
 
+/// Users stored that share no room with us (SPEC §5.5.9): listed (a dry
+/// run), or untracked with `apply`. Needs membership on: with it off every
+/// remote user is tracked on purpose.
+pub async fn untrack_unshared(store: &Store, apply: bool) -> Result<Value, AdminError> {
+    if !store.membership() {
+        return Err(AdminError::Argument(
+            "needs DLU_MEMBERSHIP=on and DLU_SERVER_NAME: with membership off every remote user is tracked, none is unshared"
+                .into(),
+        ));
+    }
+    const PAGE: u64 = 1000;
+    const LISTED: usize = 1000;
+    let (mut after, mut found, mut untracked) = (String::new(), 0_usize, 0_usize);
+    let mut listed = Vec::new();
+    loop {
+        let page = store.unshared_users(&after, PAGE).await?;
+        let Some(last) = page.last() else { break };
+        after = last.to_string();
+        found += page.len();
+        let users = match apply {
+            true => store.untrack_unshared(&page).await?,
+            false => page,
+        };
+        untracked += if apply { users.len() } else { 0 };
+        listed.extend(users.into_iter().take(LISTED.saturating_sub(listed.len())));
+    }
+    Ok(
+        json!({"unshared": found, "applied": apply, "untracked": untracked,
+              "users": listed, "listed": listed.len()}),
+    )
+}
+
+/// The rooms `user` is in, whether each counts as shared, and through
+/// which identities (its user id, or member keys linked to it).
+pub async fn rooms(store: &Store, user: &str) -> Result<Value, AdminError> {
+    let user = OwnedUserId::try_from(user)
+        .map_err(|e| AdminError::Argument(format!("user id {user:?}: {e}")))?;
+    let rooms = store.rooms_of(&user).await?;
+    let shared = rooms.iter().filter(|r| r.shares).count();
+    Ok(json!({"user_id": user, "shared_rooms": shared, "rooms": rooms}))
+}
+
 /// Streams and consumers as JetStream reports them.
 pub async fn streams(js: &jetstream::Context) -> Result<Value, AdminError> {
     let mut out = serde_json::Map::new();

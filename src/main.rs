@@ -33,6 +33,18 @@ enum AdminCommand {
     Streams,
     /// Publish what the outbox holds now.
     ReplayOutbox,
+    /// List stored users that share no room with us (membership on); with
+    /// --apply, untrack them.
+    UntrackUnshared {
+        /// Untrack them (without it: a dry run that only lists them).
+        #[arg(long)]
+        apply: bool,
+    },
+    /// Show the rooms a user is in and through which identities.
+    Rooms {
+        /// The user id.
+        user: String,
+    },
 }
 
 /// Keeps a Matrix homeserver's copy of remote users' device lists up to date.
@@ -124,6 +136,10 @@ async fn admin(settings: &Settings, json: bool, command: AdminCommand) -> ExitCo
         Ok(store) => store,
         Err(e) => return fail(2, &e.to_string()),
     };
+    let store = match (&settings.server_name, settings.membership.is_on()) {
+        (Some(server), true) => store.with_membership(server.clone()),
+        _ => store,
+    };
     let needs_nats = matches!(
         command,
         AdminCommand::Resync { .. } | AdminCommand::Streams | AdminCommand::ReplayOutbox
@@ -142,6 +158,10 @@ async fn admin(settings: &Settings, json: bool, command: AdminCommand) -> ExitCo
         (AdminCommand::Resync { user }, Some(js)) => admin::resync(&store, js, &user).await,
         (AdminCommand::Streams, Some(js)) => admin::streams(js).await,
         (AdminCommand::ReplayOutbox, Some(js)) => admin::replay_outbox(&store, js).await,
+        (AdminCommand::UntrackUnshared { apply }, _) => {
+            admin::untrack_unshared(&store, apply).await
+        }
+        (AdminCommand::Rooms { user }, _) => admin::rooms(&store, &user).await,
         _ => Err(admin::AdminError::Argument(
             "NATS is needed for this command".into(),
         )),

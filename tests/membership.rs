@@ -347,3 +347,103 @@ async fn resync_rpc_for_an_unshared_user(backend: Backend) {
     assert_eq!(env.fleet.requests(BOB), 0);
 }
 both_backends!(resync_unshared, resync_rpc_for_an_unshared_user);
+
+/// §5.5.4: a fetch in flight when its user is untracked stores nothing.
+async fn untracked_during_a_fetch(backend: Backend) {
+    // Every answer takes 2 s: long enough for the leave to be applied first.
+    let env = Env::start(backend, SERVERS, Duration::from_secs(2), |config| {
+        config.settings.membership = Switch::On;
+    })
+    .await;
+    lists(&env, BOB, 1);
+    member(&env, "!a:our.example", ME, "join", 1).await;
+    member(&env, "!a:our.example", BOB, "join", 2).await;
+    common::eventually(Duration::from_secs(20), "the fetch sent", || async {
+        (env.fleet.requests(BOB) == 1).then_some(())
+    })
+    .await;
+    member(&env, "!a:our.example", BOB, "leave", 3).await;
+    wait_shared(&env, BOB, 0).await;
+    let sample = r#"dlu_fetches_total{outcome="untracked",server="remote.example"}"#;
+    common::eventually(Duration::from_secs(20), "the answer refused", || async {
+        let (_, text) = common::http_get(env.worker.http_addr, "/metrics").await;
+        (common::metric_sample(&text, sample) == Some(1.0)).then_some(())
+    })
+    .await;
+    assert!(env.devices(BOB).await.is_empty(), "nothing stored");
+    assert_eq!(query(&env, BOB).await["tracked"], false);
+}
+both_backends!(fetch_in_flight, untracked_during_a_fetch);
+
+/// `admin …` with membership on, against the test's database and NATS.
+async fn admin(env: &Env, args: &[&str]) -> Value {
+    let output = tokio::process::Command::new(common::binary())
+        .arg("admin")
+        .args(args)
+        .arg("--json")
+        .env("DLU_DATABASE_URL", &env.db.url)
+        .env("DLU_NATS_URL", &env.nats.url)
+        .env("DLU_SERVER_NAME", common::OUR_SERVER)
+        .env("DLU_MEMBERSHIP", "on")
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("runs");
+    let out = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(output.status.success(), "admin {args:?} failed: {out}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("admin {args:?}: {e}: {out}"))
+}
+
+/// §5.5.3, §5.5.9: switching membership on for an existing database. Users
+/// tracked before stay; those the republished members put in a room are not
+/// fetched again; `admin untrack-unshared` lists the rest, `--apply`
+/// untracks them. `admin rooms` shows the rooms and identities.
+async fn switching_membership_on(backend: Backend) {
+    let env = Env::start(backend, SERVERS, Duration::ZERO, |_| {}).await;
+    lists(&env, BOB, 1);
+    lists(&env, CAROL, 1);
+    env.update(update(BOB, "PHONE", 10, &[], "Phone")).await;
+    env.update(update(CAROL, "PHONE", 10, &[], "Phone")).await;
+    env.wait_fresh(BOB, 1).await;
+    env.wait_fresh(CAROL, 1).await;
+    let mut env = env;
+    env.config.settings.membership = Switch::On;
+    env.config.settings.msc4430 = Switch::On;
+    let env = env.restart(false).await;
+    member(&env, "!a:our.example", ME, "join", 1).await;
+    member(&env, "!a:our.example", BOB, "join", 2).await;
+    link(&env, "!a:our.example", BOB_KEY, Some(BOB), true, 3).await;
+    member(&env, "!a:our.example", BOB_KEY, "join", 4).await;
+    wait_shared(&env, BOB, 1).await;
+    env.settled().await;
+    assert_eq!(
+        env.fleet.requests(BOB),
+        1,
+        "already tracked: not fetched again"
+    );
+
+    let dry = admin(&env, &["untrack-unshared"]).await;
+    assert_eq!(dry["unshared"], 1, "{dry}");
+    assert_eq!(dry["users"], json!([CAROL]));
+    assert_eq!(dry["applied"], false);
+    assert_eq!(
+        env.devices(CAROL).await.len(),
+        1,
+        "a dry run changes nothing"
+    );
+    let applied = admin(&env, &["untrack-unshared", "--apply"]).await;
+    assert_eq!(applied["untracked"], 1, "{applied}");
+    assert!(env.devices(CAROL).await.is_empty());
+    assert_eq!(env.devices(BOB).await.len(), 1);
+    let again = admin(&env, &["untrack-unshared"]).await;
+    assert_eq!(again["unshared"], 0, "{again}");
+
+    let rooms = admin(&env, &["rooms", BOB]).await;
+    assert_eq!(
+        rooms,
+        json!({"user_id": BOB, "shared_rooms": 1, "rooms": [
+            {"room_id": "!a:our.example", "shares": true, "ours": true,
+             "identities": [BOB, BOB_KEY]}]})
+    );
+}
+both_backends!(switch_on, switching_membership_on);

@@ -492,3 +492,128 @@ impl Store {
             .collect())
     }
 }
+
+/// One room a user is in, as `admin rooms` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct UserRoom {
+    /// The room.
+    pub room_id: String,
+    /// Counted as shared with us.
+    pub shares: bool,
+    /// Our server is in the room.
+    pub ours: bool,
+    /// The joined identities through which the user is in it: its user id,
+    /// or member keys whose verified link names it.
+    pub identities: Vec<String>,
+}
+
+impl Store {
+    /// Stored users (with a list, keys or a stale mark) that share no room
+    /// with us, in user order after `after`, at most `limit`.
+    pub async fn unshared_users(&self, after: &str, limit: u64) -> Result<Vec<OwnedUserId>, DbErr> {
+        use sea_orm::{FromQueryResult, Statement};
+        #[derive(FromQueryResult)]
+        struct Row {
+            user_id: String,
+        }
+        let backend = self.db.get_database_backend();
+        let sql = "SELECT user_id FROM (\
+               SELECT user_id FROM remote_user \
+               UNION SELECT user_id FROM stale_user \
+               UNION SELECT user_id FROM cross_signing_key) AS stored \
+             WHERE user_id > $1 \
+               AND NOT EXISTS (SELECT 1 FROM shared_user s WHERE s.user_id = stored.user_id) \
+             ORDER BY user_id LIMIT $2";
+        let sql = match backend {
+            DbBackend::Postgres => sql.to_owned(),
+            _ => sql.replace("$1", "?").replace("$2", "?"),
+        };
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = Row::find_by_statement(Statement::from_sql_and_values(
+            backend,
+            sql,
+            [after.into(), limit.into()],
+        ))
+        .all(&self.db)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|r| OwnedUserId::try_from(r.user_id).ok())
+            .collect())
+    }
+
+    /// Untracks those of `users` that still share no room, in one
+    /// transaction under their locks (SPEC §5.5.9); a user that started
+    /// sharing since it was listed stays. Returns the untracked.
+    pub async fn untrack_unshared(&self, users: &[OwnedUserId]) -> Result<Vec<OwnedUserId>, DbErr> {
+        let Some(own) = self.own_server.clone() else {
+            return Ok(Vec::new());
+        };
+        let txn = self.begin_write().await?;
+        let ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
+        lock_users(&txn, &ids).await?;
+        let shared: BTreeSet<OwnedUserId> = shared_counts(&txn, &ids, true)
+            .await?
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(u, _)| u)
+            .collect();
+        let writes = RoomWrites {
+            untrack: users
+                .iter()
+                .filter(|u| !shared.contains(*u))
+                .cloned()
+                .collect(),
+            ..RoomWrites::default()
+        };
+        write(&txn, &writes, &own).await?;
+        txn.commit().await?;
+        Ok(writes.untrack.into_iter().collect())
+    }
+
+    /// The rooms `user` is joined in, and through which identities.
+    pub async fn rooms_of(&self, user: &ruma::UserId) -> Result<Vec<UserRoom>, DbErr> {
+        let pairs = room_user::Entity::find()
+            .filter(room_user::Column::UserId.eq(user.as_str()))
+            .filter(room_user::Column::Joined.gt(0))
+            .order_by_asc(room_user::Column::RoomId)
+            .all(&self.db)
+            .await?;
+        let mut rooms = Vec::new();
+        for pair in pairs {
+            let ours = room::Entity::find_by_id(pair.room_id.clone())
+                .one(&self.db)
+                .await?
+                .is_some_and(|r| r.local_joined > 0);
+            let keys: Vec<String> = member_key_link::Entity::find()
+                .filter(member_key_link::Column::RoomId.eq(pair.room_id.as_str()))
+                .filter(member_key_link::Column::UserId.eq(user.as_str()))
+                .filter(member_key_link::Column::Verified.eq(true))
+                .filter(member_key_link::Column::Erased.eq(false))
+                .all(&self.db)
+                .await?
+                .into_iter()
+                .map(|l| l.member_key)
+                .collect();
+            let mut candidates = keys;
+            candidates.push(user.as_str().to_owned());
+            let mut identities: Vec<String> = room_member::Entity::find()
+                .filter(room_member::Column::RoomId.eq(pair.room_id.as_str()))
+                .filter(room_member::Column::Identity.is_in(candidates))
+                .filter(room_member::Column::Membership.eq(Membership::Join.as_str()))
+                .all(&self.db)
+                .await?
+                .into_iter()
+                .map(|m| m.identity)
+                .collect();
+            identities.sort_unstable();
+            rooms.push(UserRoom {
+                room_id: pair.room_id,
+                shares: pair.shares,
+                ours,
+                identities,
+            });
+        }
+        Ok(rooms)
+    }
+}
