@@ -504,6 +504,52 @@ mod tests {
     }
 
     #[test]
+    fn a_change_before_the_sweep_sets_its_pair_without_counting_twice() {
+        // Bob shares room 1. In room 2 he joined before it was ours; we join
+        // (a sweep is due) and he leaves in the same batch: his pair in room
+        // 2 was never counted, so his count stays 1 and he stays tracked.
+        let mut s = snapshot();
+        let rooms = s.rooms.as_mut().unwrap();
+        rooms.rooms.insert(
+            room(1),
+            RoomRow {
+                local_joined: 1,
+                sweep: false,
+            },
+        );
+        rooms.room_users.insert(
+            (room(1), bob()),
+            RoomUser {
+                joined: 1,
+                shares: true,
+            },
+        );
+        rooms.room_users.insert(
+            (room(2), bob()),
+            RoomUser {
+                joined: 1,
+                shares: false,
+            },
+        );
+        rooms.members.insert(
+            (room(2), Identity::User(bob())),
+            Member {
+                membership: Membership::Join,
+                stream_ordering: 1,
+            },
+        );
+        rooms.shared.insert(bob(), 1);
+        s.users.insert(bob(), Default::default());
+        let plan = plan_batch(
+            s,
+            &[join(2, ME, 2), membership(2, BOB, Membership::Leave, 3)],
+            0,
+        );
+        assert!(plan.rooms.untrack.is_empty(), "{plan:?}");
+        assert!(!plan.rooms.shared.contains_key(&bob()));
+    }
+
+    #[test]
     fn a_sweep_sets_every_pair_and_ends() {
         let mut s = snapshot();
         let rooms = s.rooms.as_mut().unwrap();
