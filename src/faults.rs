@@ -12,6 +12,8 @@ pub enum Fault {
     CrashAfterCommit,
     /// Right after events are published, before they leave the outbox.
     CrashAfterPublish,
+    /// Right after the first chunk of a room sweep commits.
+    CrashAfterSweepChunk,
 }
 
 /// The fault a worker was configured with (none outside test builds).

@@ -13,6 +13,7 @@ use async_nats::jetstream::Context;
 use tokio::sync::Notify;
 
 use crate::bus::fetch_jobs;
+use crate::faults::{Fault, Faults};
 use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
 use crate::store::{Store, now_ms};
@@ -33,6 +34,8 @@ pub(crate) struct Sweeper {
     pub wake: Arc<Notify>,
     /// Counters.
     pub metrics: Metrics,
+    /// Fault injection for the crash tests.
+    pub faults: Faults,
 }
 
 impl Sweeper {
@@ -56,6 +59,7 @@ impl Sweeper {
             let mut untracked = 0;
             loop {
                 let chunk = self.store.sweep_room(&room, now_ms()).await?;
+                self.faults.crash_point(Fault::CrashAfterSweepChunk);
                 untracked += chunk.plan.rooms.untrack.len();
                 self.metrics.untracked(chunk.plan.rooms.untrack.len());
                 let servers = &chunk.plan.fetch_servers;

@@ -193,6 +193,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             js: js.clone(),
             wake: sweeps.clone(),
             metrics: metrics.clone(),
+            faults,
         };
         tasks.spawn(sweeper.run(shutdown.clone()));
     }

@@ -56,7 +56,13 @@ impl Setup {
     }
 
     fn spawn(&self, fault: Option<&str>) -> Child {
+        self.spawn_with(fault, false)
+    }
+
+    /// [`Setup::spawn`], with membership on when `membership`.
+    fn spawn_with(&self, fault: Option<&str>, membership: bool) -> Child {
         let mut command = Command::new(common::binary());
+        command.env("DLU_MEMBERSHIP", if membership { "on" } else { "off" });
         command
             .arg("run")
             .env("DLU_SERVER_NAME", common::OUR_SERVER)
@@ -184,3 +190,54 @@ async fn crash_between_publish_and_outbox_delete(backend: Backend) {
     sigterm_exits_zero(restarted).await;
 }
 both_backends!(publish_then_crash, crash_between_publish_and_outbox_delete);
+
+/// SPEC §5.5.5: the worker aborts after the first chunk of the sweep of a
+/// room our server just joined (1,200 remote members, 500 per chunk); the
+/// next worker finishes the sweep: every member shares the room, the flag
+/// is gone.
+async fn crash_during_a_room_sweep(backend: Backend) {
+    use entity::{room, shared_user};
+    use sea_orm::PaginatorTrait;
+    const MEMBERS: u64 = 1200;
+    let setup = Setup::new(backend).await;
+    let js = setup.nats.js().await;
+    let membership = |who: String, at: u64| {
+        json!({"room_id": "!big:our.example", "state_key": who, "membership": "join",
+               "stream_ordering": at})
+        .to_string()
+    };
+    let mut crashing = setup.spawn_with(Some("crash_after_sweep_chunk"), true);
+    common::eventually(Duration::from_secs(20), "input stream", || async {
+        js.get_stream("DEVICE_LIST_INPUT").await.ok().map(|_| ())
+    })
+    .await;
+    for n in 0..MEMBERS {
+        let body = membership(format!("@u{n}:remote.example"), n + 1);
+        publish(&js, "devicelist.in.membership", &body, None).await;
+    }
+    // Our user joins last: the room becomes ours, all 1,200 are swept.
+    let body = membership(format!("@me:{}", common::OUR_SERVER), MEMBERS + 1);
+    publish(&js, "devicelist.in.membership", &body, None).await;
+    let status = exits(&mut crashing).await;
+    assert!(!status.success(), "the fault aborts the worker");
+    let db = setup.store.connection();
+    let shared = shared_user::Entity::find().count(db).await.unwrap();
+    assert!(
+        shared > 0 && shared < MEMBERS,
+        "aborted half-way: {shared} shared"
+    );
+
+    let worker = setup.spawn_with(None, true);
+    common::eventually(Duration::from_secs(30), "the sweep finished", || async {
+        let shared = shared_user::Entity::find().count(db).await.ok()?;
+        let flagged = room::Entity::find_by_id("!big:our.example".to_owned())
+            .one(db)
+            .await
+            .ok()??
+            .sweep;
+        (shared == MEMBERS && !flagged).then_some(())
+    })
+    .await;
+    sigterm_exits_zero(worker).await;
+}
+both_backends!(sweep_then_crash, crash_during_a_room_sweep);
