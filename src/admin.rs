@@ -103,11 +103,13 @@ pub async fn untrack_unshared(store: &Store, apply: bool) -> Result<Value, Admin
         let Some(last) = page.last() else { break };
         after = last.to_string();
         found += page.len();
-        let users = match apply {
-            true => store.untrack_unshared(&page).await?,
-            false => page,
+        let users = if apply {
+            let gone = store.untrack_unshared(&page).await?;
+            untracked += gone.len();
+            gone
+        } else {
+            page
         };
-        untracked += if apply { users.len() } else { 0 };
         listed.extend(users.into_iter().take(LISTED.saturating_sub(listed.len())));
     }
     Ok(

@@ -273,10 +273,9 @@ pub(super) fn set_shares(
 /// A user starts sharing a room: with nothing stored, it is fetched (SPEC
 /// §5.5.3); a stored list (tracked before the feed began) stays as it is.
 fn start_tracking(snapshot: &mut Snapshot, plan: &mut Plan, user: &UserId, now_ms: i64) {
-    let stored = snapshot.users.contains_key(user)
-        || snapshot.stale.contains_key(user)
-        || snapshot.devices.keys().any(|(u, _)| u == user);
-    if !stored {
+    // Every stored list has its user row (devices are never written
+    // without it), so the row and the stale mark say whether anything is.
+    if !snapshot.users.contains_key(user) && !snapshot.stale.contains_key(user) {
         mark_stale(snapshot, plan, user, None, now_ms);
     }
 }

@@ -221,32 +221,32 @@ impl Store {
         keys.sort_unstable();
         keys.dedup();
         lock_users(&txn, &keys).await?;
-        let rooms = match &self.own_server {
-            Some(own) => Some(rooms::load_rooms(&txn, own, messages).await?),
-            None => None,
+        let (rooms, linked) = match &self.own_server {
+            Some(own) => {
+                let (rooms, linked) = rooms::load_rooms(&txn, own, messages).await?;
+                (Some(rooms), linked)
+            }
+            None => (None, Default::default()),
         };
-        let mut users: Vec<String> = keys
+        // Users named only by stored links: locked now, before the next
+        // batch may take its locks.
+        let more: Vec<&str> = linked
             .iter()
-            .filter(|k| k.starts_with('@'))
-            .map(|k| (*k).to_owned())
+            .map(|u| u.as_str())
+            .filter(|u| keys.binary_search(u).is_err())
             .collect();
-        if let Some((_, linked)) = &rooms {
-            // Users named only by stored links: locked now, before the next
-            // batch may take its locks.
-            let more: Vec<&str> = linked
-                .iter()
-                .map(|u| u.as_str())
-                .filter(|u| keys.binary_search(u).is_err())
-                .collect();
-            lock_users(&txn, &more).await?;
-            users.extend(more.iter().map(|u| (*u).to_owned()));
-        }
+        lock_users(&txn, &more).await?;
         if let Some(locked) = turn.locked {
             let _ = locked.send(());
         }
-        let users: Vec<&str> = users.iter().map(String::as_str).collect();
+        let users: Vec<&str> = keys
+            .iter()
+            .copied()
+            .filter(|k| k.starts_with('@'))
+            .chain(more)
+            .collect();
         let mut snapshot = load::snapshot(&txn, messages, &users).await?;
-        if let Some((mut rooms, _)) = rooms {
+        if let Some(mut rooms) = rooms {
             rooms::load_shared(&txn, &mut rooms, &users).await?;
             snapshot.rooms = Some(rooms);
         }

@@ -15,6 +15,7 @@ use sea_orm::{
 };
 
 use super::rows::CHUNK;
+use super::write::upsert;
 use super::{Store, lock_users, write};
 use crate::decide::Plan;
 use crate::decide::membership::{Link, Member};
@@ -227,16 +228,14 @@ pub(super) async fn write<C: ConnectionTrait>(
             sweep: Set(row.sweep),
         })
         .collect();
-    for chunk in rooms.chunks(CHUNK) {
-        room::Entity::insert_many(chunk.to_vec())
-            .on_conflict(
-                OnConflict::column(room::Column::RoomId)
-                    .update_columns([room::Column::LocalJoined, room::Column::Sweep])
-                    .to_owned(),
-            )
-            .exec_without_returning(db)
-            .await?;
-    }
+    upsert(
+        db,
+        &rooms,
+        OnConflict::column(room::Column::RoomId)
+            .update_columns([room::Column::LocalJoined, room::Column::Sweep])
+            .to_owned(),
+    )
+    .await?;
     let members: Vec<room_member::ActiveModel> = writes
         .members
         .iter()
@@ -247,19 +246,17 @@ pub(super) async fn write<C: ConnectionTrait>(
             stream_ordering: Set(member.stream_ordering),
         })
         .collect();
-    for chunk in members.chunks(CHUNK) {
-        room_member::Entity::insert_many(chunk.to_vec())
-            .on_conflict(
-                OnConflict::columns([room_member::Column::RoomId, room_member::Column::Identity])
-                    .update_columns([
-                        room_member::Column::Membership,
-                        room_member::Column::StreamOrdering,
-                    ])
-                    .to_owned(),
-            )
-            .exec_without_returning(db)
-            .await?;
-    }
+    upsert(
+        db,
+        &members,
+        OnConflict::columns([room_member::Column::RoomId, room_member::Column::Identity])
+            .update_columns([
+                room_member::Column::Membership,
+                room_member::Column::StreamOrdering,
+            ])
+            .to_owned(),
+    )
+    .await?;
     let links: Vec<member_key_link::ActiveModel> = writes
         .links
         .iter()
@@ -272,24 +269,22 @@ pub(super) async fn write<C: ConnectionTrait>(
             stream_ordering: Set(link.stream_ordering),
         })
         .collect();
-    for chunk in links.chunks(CHUNK) {
-        member_key_link::Entity::insert_many(chunk.to_vec())
-            .on_conflict(
-                OnConflict::columns([
-                    member_key_link::Column::RoomId,
-                    member_key_link::Column::MemberKey,
-                ])
-                .update_columns([
-                    member_key_link::Column::UserId,
-                    member_key_link::Column::Erased,
-                    member_key_link::Column::Verified,
-                    member_key_link::Column::StreamOrdering,
-                ])
-                .to_owned(),
-            )
-            .exec_without_returning(db)
-            .await?;
-    }
+    upsert(
+        db,
+        &links,
+        OnConflict::columns([
+            member_key_link::Column::RoomId,
+            member_key_link::Column::MemberKey,
+        ])
+        .update_columns([
+            member_key_link::Column::UserId,
+            member_key_link::Column::Erased,
+            member_key_link::Column::Verified,
+            member_key_link::Column::StreamOrdering,
+        ])
+        .to_owned(),
+    )
+    .await?;
     // `remote` is stored so the sweep selects remote pairs without
     // parsing user ids.
     let pairs: Vec<room_user::ActiveModel> = writes
@@ -303,16 +298,14 @@ pub(super) async fn write<C: ConnectionTrait>(
             shares: Set(pair.shares),
         })
         .collect();
-    for chunk in pairs.chunks(CHUNK) {
-        room_user::Entity::insert_many(chunk.to_vec())
-            .on_conflict(
-                OnConflict::columns([room_user::Column::RoomId, room_user::Column::UserId])
-                    .update_columns([room_user::Column::Joined, room_user::Column::Shares])
-                    .to_owned(),
-            )
-            .exec_without_returning(db)
-            .await?;
-    }
+    upsert(
+        db,
+        &pairs,
+        OnConflict::columns([room_user::Column::RoomId, room_user::Column::UserId])
+            .update_columns([room_user::Column::Joined, room_user::Column::Shares])
+            .to_owned(),
+    )
+    .await?;
     let gone: Vec<&str> = writes
         .shared
         .iter()
@@ -335,16 +328,14 @@ pub(super) async fn write<C: ConnectionTrait>(
             shared_rooms: Set(to_i32(*n)),
         })
         .collect();
-    for chunk in counts.chunks(CHUNK) {
-        shared_user::Entity::insert_many(chunk.to_vec())
-            .on_conflict(
-                OnConflict::column(shared_user::Column::UserId)
-                    .update_column(shared_user::Column::SharedRooms)
-                    .to_owned(),
-            )
-            .exec_without_returning(db)
-            .await?;
-    }
+    upsert(
+        db,
+        &counts,
+        OnConflict::column(shared_user::Column::UserId)
+            .update_column(shared_user::Column::SharedRooms)
+            .to_owned(),
+    )
+    .await?;
     Ok(())
 }
 
@@ -400,9 +391,17 @@ impl Store {
             });
         };
         // Candidates first, outside the locks; re-read under them.
-        let candidates = self.wrong_pairs(&self.db, room_id).await?;
+        let ours = |row: Option<&room::Model>| row.is_some_and(|r| r.local_joined > 0);
+        let before = room::Entity::find_by_id(room_id.as_str().to_owned())
+            .one(&self.db)
+            .await?;
+        let candidates: Vec<String> = wrong_pairs(&self.db, room_id, ours(before.as_ref()))
+            .await?
+            .into_iter()
+            .map(|pair| pair.user_id)
+            .collect();
         let txn = self.begin_write().await?;
-        let mut keys: Vec<&str> = candidates.iter().map(|u| u.as_str()).collect();
+        let mut keys: Vec<&str> = candidates.iter().map(String::as_str).collect();
         keys.push(room_id.as_str());
         keys.sort_unstable();
         lock_users(&txn, &keys).await?;
@@ -416,27 +415,25 @@ impl Store {
                 done: true,
             });
         };
-        let wrong = self.wrong_pairs(&txn, room_id).await?;
+        let wrong = wrong_pairs(&txn, room_id, ours(Some(&row))).await?;
         // Only pairs whose users this transaction holds; others next time.
-        let locked: BTreeSet<&OwnedUserId> = candidates.iter().collect();
+        let locked: BTreeSet<&str> = candidates.iter().map(String::as_str).collect();
         let chunk = usize::try_from(SWEEP_CHUNK).unwrap_or(usize::MAX);
-        let last = wrong.len() < chunk && wrong.iter().all(|u| locked.contains(u));
-        let users: Vec<OwnedUserId> = wrong.into_iter().filter(|u| locked.contains(u)).collect();
+        let last = wrong.len() < chunk && wrong.iter().all(|p| locked.contains(p.user_id.as_str()));
         let mut rooms = RoomSnapshot::new(own.clone());
         rooms
             .rooms
             .insert(room_id.to_owned(), room_row(row.local_joined, row.sweep));
-        let ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
-        for chunk in ids.chunks(CHUNK) {
-            for pair in room_user::Entity::find()
-                .filter(room_user::Column::RoomId.eq(room_id.as_str()))
-                .filter(room_user::Column::UserId.is_in(chunk.iter().copied()))
-                .all(&txn)
-                .await?
+        let mut users = Vec::new();
+        for pair in wrong {
+            if locked.contains(pair.user_id.as_str())
+                && let Ok(user) = OwnedUserId::try_from(pair.user_id.as_str())
             {
+                users.push(user);
                 insert_pair(&mut rooms, pair);
             }
         }
+        let ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
         load_shared(&txn, &mut rooms, &ids).await?;
         let mut snapshot = super::load::snapshot(&txn, &[], &ids).await?;
         snapshot.rooms = Some(rooms);
@@ -446,51 +443,41 @@ impl Store {
         txn.commit().await?;
         Ok(SweepChunk { plan, done: last })
     }
+}
 
-    /// Remote users of `room` whose pair is counted wrongly: `shares` is
-    /// not "joined and the room is ours". At most [`SWEEP_CHUNK`].
-    async fn wrong_pairs<C: ConnectionTrait>(
-        &self,
-        db: &C,
-        room_id: &RoomId,
-    ) -> Result<Vec<OwnedUserId>, DbErr> {
-        let ours = room::Entity::find_by_id(room_id.as_str().to_owned())
-            .one(db)
-            .await?
-            .is_some_and(|r| r.local_joined > 0);
-        let query = room_user::Entity::find()
-            .select_only()
-            .column(room_user::Column::UserId)
-            .filter(room_user::Column::RoomId.eq(room_id.as_str()))
-            .filter(room_user::Column::Remote.eq(true));
-        let query = if ours {
-            // Should share exactly when joined.
-            query.filter(
-                sea_orm::Condition::any()
-                    .add(
-                        sea_orm::Condition::all()
-                            .add(room_user::Column::Joined.gt(0))
-                            .add(room_user::Column::Shares.eq(false)),
-                    )
-                    .add(
-                        sea_orm::Condition::all()
-                            .add(room_user::Column::Joined.lte(0))
-                            .add(room_user::Column::Shares.eq(true)),
-                    ),
-            )
-        } else {
-            query.filter(room_user::Column::Shares.eq(true))
-        };
-        Ok(query
-            .order_by_asc(room_user::Column::UserId)
-            .limit(SWEEP_CHUNK)
-            .into_tuple::<String>()
-            .all(db)
-            .await?
-            .into_iter()
-            .filter_map(|u| OwnedUserId::try_from(u).ok())
-            .collect())
-    }
+/// Remote pairs of `room` counted wrongly: `shares` is not "joined and the
+/// room is ours" (`ours`). At most [`SWEEP_CHUNK`], in user order.
+async fn wrong_pairs<C: ConnectionTrait>(
+    db: &C,
+    room_id: &RoomId,
+    ours: bool,
+) -> Result<Vec<room_user::Model>, DbErr> {
+    let query = room_user::Entity::find()
+        .filter(room_user::Column::RoomId.eq(room_id.as_str()))
+        .filter(room_user::Column::Remote.eq(true));
+    let query = if ours {
+        // Should share exactly when joined.
+        query.filter(
+            sea_orm::Condition::any()
+                .add(
+                    sea_orm::Condition::all()
+                        .add(room_user::Column::Joined.gt(0))
+                        .add(room_user::Column::Shares.eq(false)),
+                )
+                .add(
+                    sea_orm::Condition::all()
+                        .add(room_user::Column::Joined.lte(0))
+                        .add(room_user::Column::Shares.eq(true)),
+                ),
+        )
+    } else {
+        query.filter(room_user::Column::Shares.eq(true))
+    };
+    query
+        .order_by_asc(room_user::Column::UserId)
+        .limit(SWEEP_CHUNK)
+        .all(db)
+        .await
 }
 
 /// One room a user is in, as `admin rooms` shows it.

@@ -3,7 +3,8 @@
 use entity::{cross_signing_key, remote_device, remote_user, stale_user};
 use sea_orm::sea_query::OnConflict;
 use sea_orm::{
-    ActiveValue::NotSet, ActiveValue::Set, ConnectionTrait, DbBackend, DbErr, EntityTrait,
+    ActiveModelTrait, ActiveValue::NotSet, ActiveValue::Set, ConnectionTrait, DbBackend, DbErr,
+    EntityTrait,
 };
 
 use super::bulk;
@@ -13,6 +14,22 @@ use crate::decide::Plan;
 
 /// Rows per multi-row INSERT (PostgreSQL allows 65 535 parameters).
 pub(super) const CHUNK: usize = 1000;
+
+/// Upserts `rows` in multi-row INSERTs of [`CHUNK`] rows, resolving
+/// conflicts by `conflict`.
+pub(super) async fn upsert<C, A>(db: &C, rows: &[A], conflict: OnConflict) -> Result<(), DbErr>
+where
+    C: ConnectionTrait,
+    A: ActiveModelTrait + Clone,
+{
+    for chunk in rows.chunks(CHUNK) {
+        <A::Entity as EntityTrait>::insert_many(chunk.to_vec())
+            .on_conflict(conflict.clone())
+            .exec_without_returning(db)
+            .await?;
+    }
+    Ok(())
+}
 
 /// Writes every dirty row of `plan` and its events; returns the recorded
 /// outbox batch (None when the plan has no events).
@@ -42,16 +59,14 @@ pub(super) async fn plan<C: ConnectionTrait>(
             next_attempt_ms: NotSet,
         })
         .collect();
-    for chunk in stale.chunks(CHUNK) {
-        stale_user::Entity::insert_many(chunk.to_vec())
-            .on_conflict(
-                OnConflict::column(stale_user::Column::UserId)
-                    .update_column(stale_user::Column::TriggerStreamIds)
-                    .to_owned(),
-            )
-            .exec_without_returning(db)
-            .await?;
-    }
+    upsert(
+        db,
+        &stale,
+        OnConflict::column(stale_user::Column::UserId)
+            .update_column(stale_user::Column::TriggerStreamIds)
+            .to_owned(),
+    )
+    .await?;
 
     let keys: Vec<_> = plan
         .cross_signing
@@ -62,17 +77,17 @@ pub(super) async fn plan<C: ConnectionTrait>(
             key_json: Set(json.clone()),
         })
         .collect();
-    cross_signing_key::Entity::insert_many(keys)
-        .on_conflict(
-            OnConflict::columns([
-                cross_signing_key::Column::UserId,
-                cross_signing_key::Column::KeyUsage,
-            ])
-            .update_column(cross_signing_key::Column::KeyJson)
-            .to_owned(),
-        )
-        .exec_without_returning(db)
-        .await?;
+    upsert(
+        db,
+        &keys,
+        OnConflict::columns([
+            cross_signing_key::Column::UserId,
+            cross_signing_key::Column::KeyUsage,
+        ])
+        .update_column(cross_signing_key::Column::KeyJson)
+        .to_owned(),
+    )
+    .await?;
 
     let events: Vec<OutboxEvent> = plan.events.iter().map(OutboxEvent::from_change).collect();
     let id = outbox::record(db, &events, now_ms).await?;
@@ -96,20 +111,18 @@ async fn portable_users_and_devices<C: ConnectionTrait>(db: &C, plan: &Plan) -> 
             fetched_stream_id: Set(state.fetched_stream_id),
         })
         .collect();
-    for chunk in users.chunks(CHUNK) {
-        remote_user::Entity::insert_many(chunk.to_vec())
-            .on_conflict(
-                OnConflict::column(remote_user::Column::UserId)
-                    .update_columns([
-                        remote_user::Column::KnownStreamIds,
-                        remote_user::Column::MaxStreamId,
-                        remote_user::Column::FetchedStreamId,
-                    ])
-                    .to_owned(),
-            )
-            .exec_without_returning(db)
-            .await?;
-    }
+    upsert(
+        db,
+        &users,
+        OnConflict::column(remote_user::Column::UserId)
+            .update_columns([
+                remote_user::Column::KnownStreamIds,
+                remote_user::Column::MaxStreamId,
+                remote_user::Column::FetchedStreamId,
+            ])
+            .to_owned(),
+    )
+    .await?;
 
     let devices: Vec<_> = plan
         .devices
@@ -123,24 +136,22 @@ async fn portable_users_and_devices<C: ConnectionTrait>(db: &C, plan: &Plan) -> 
             deleted: Set(row.deleted),
         })
         .collect();
-    for chunk in devices.chunks(CHUNK) {
-        remote_device::Entity::insert_many(chunk.to_vec())
-            .on_conflict(
-                OnConflict::columns([
-                    remote_device::Column::UserId,
-                    remote_device::Column::DeviceId,
-                ])
-                .update_columns([
-                    remote_device::Column::DisplayName,
-                    remote_device::Column::KeysJson,
-                    remote_device::Column::StreamId,
-                    remote_device::Column::Deleted,
-                ])
-                .to_owned(),
-            )
-            .exec_without_returning(db)
-            .await?;
-    }
+    upsert(
+        db,
+        &devices,
+        OnConflict::columns([
+            remote_device::Column::UserId,
+            remote_device::Column::DeviceId,
+        ])
+        .update_columns([
+            remote_device::Column::DisplayName,
+            remote_device::Column::KeysJson,
+            remote_device::Column::StreamId,
+            remote_device::Column::Deleted,
+        ])
+        .to_owned(),
+    )
+    .await?;
 
     Ok(())
 }
