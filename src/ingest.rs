@@ -69,6 +69,15 @@ pub struct Ingest {
     pub sweeps: std::sync::Arc<tokio::sync::Notify>,
 }
 
+/// What a batch's writes did: its plans (one for the batch, or one per
+/// message when applied one by one), and for each outcome of those plans in
+/// order, the place in the batch's accepted messages of the one it is about.
+#[derive(Default)]
+struct Written {
+    applied: Vec<Applied>,
+    covers: Vec<usize>,
+}
+
 /// One message of a batch and what the checks made of it.
 struct Item {
     message: Message,
@@ -206,7 +215,7 @@ impl Ingest {
         if let Some(previous) = previous_done.take() {
             let _ = previous.await;
         }
-        let Some(applied) = applied else {
+        let Some(Written { applied, covers }) = applied else {
             nak_all(items.iter().map(|i| &i.message), None).await;
             return;
         };
@@ -242,7 +251,7 @@ impl Ingest {
             self.sweeps.notify_one();
         }
         if !self
-            .dead_letter_conflicts(&items, &accepted, &applied)
+            .dead_letter_conflicts(&items, &accepted, &applied, &covers)
             .await
         {
             // Applied, but a link conflict was not dead-lettered: redelivery
@@ -321,26 +330,21 @@ impl Ingest {
 
     /// Dead-letters the link changes the planner refused as conflicts
     /// (SPEC §5.6.2). They are only known after planning, so they go after
-    /// the commit; false if one could not be stored.
+    /// the commit; false if one could not be stored. `covers` names, per
+    /// outcome of `applied` in order, its message's place in `accepted`.
     async fn dead_letter_conflicts(
         &self,
         items: &[Item],
         accepted: &[(usize, &InputMessage)],
         applied: &[Applied],
+        covers: &[usize],
     ) -> bool {
-        // One plan covers every accepted message, in order; applied one by
-        // one there is one plan per message.
-        let outcomes: Vec<Outcome> = applied
-            .iter()
-            .flat_map(|a| a.plan.outcomes.iter().copied())
-            .collect();
-        if outcomes.len() != accepted.len() {
-            return true;
-        }
-        for ((index, message), outcome) in accepted.iter().zip(outcomes) {
+        let outcomes = applied.iter().flat_map(|a| a.plan.outcomes.iter().copied());
+        for (outcome, &position) in outcomes.zip(covers) {
             if outcome != Outcome::LinkConflict {
                 continue;
             }
+            let (index, message) = accepted[position];
             let first = match message {
                 InputMessage::MemberKey(link) => link.member_key.as_str(),
                 _ => "",
@@ -349,7 +353,7 @@ impl Ingest {
                 DeadReason::LinkConflict,
                 format!("member key {first} is already linked to another user in this room"),
             );
-            let stored = match self.dead_letter(&items[*index].message, &rejection).await {
+            let stored = match self.dead_letter(&items[index].message, &rejection).await {
                 Ok(ack) => ack.await.is_ok(),
                 Err(_) => false,
             };
@@ -398,11 +402,15 @@ impl Ingest {
         shutdown: &Shutdown,
         turn: Turn,
         previous_done: &mut Option<oneshot::Receiver<()>>,
-    ) -> Option<Vec<Applied>> {
+    ) -> Option<Written> {
         let messages: Vec<InputMessage> = accepted.iter().map(|(_, m)| (*m).clone()).collect();
+        let whole = |applied| Written {
+            applied: vec![applied],
+            covers: (0..accepted.len()).collect(),
+        };
         if messages.is_empty() {
             turn.pass().await;
-            return Some(Vec::new());
+            return Some(Written::default());
         }
         match self
             .store
@@ -411,7 +419,7 @@ impl Ingest {
         {
             Ok(Some(applied)) => {
                 self.crash_point();
-                return Some(vec![applied]);
+                return Some(whole(applied));
             }
             Ok(None) => tracing::debug!("previous batch failed; retrying after it"),
             Err(e) => tracing::debug!(error = %e, "batch failed; retrying after the previous one"),
@@ -425,7 +433,7 @@ impl Ingest {
             match self.store.apply_batch(&messages, now_ms()).await {
                 Ok(applied) => {
                     self.crash_point();
-                    return Some(vec![applied]);
+                    return Some(whole(applied));
                 }
                 Err(e) if self.store.ping().await => {
                     refused += 1;
@@ -451,9 +459,9 @@ impl Ingest {
         &self,
         items: &[Item],
         accepted: &[(usize, &InputMessage)],
-    ) -> Option<Vec<Applied>> {
-        let mut done = Vec::new();
-        for &(index, message) in accepted {
+    ) -> Option<Written> {
+        let mut done = Written::default();
+        for (position, &(index, message)) in accepted.iter().enumerate() {
             let mut last_error = String::new();
             let mut applied = false;
             for _ in 0..BATCH_TRIES {
@@ -464,7 +472,8 @@ impl Ingest {
                 {
                     Ok(one) => {
                         self.crash_point();
-                        done.push(one);
+                        done.applied.push(one);
+                        done.covers.push(position);
                         applied = true;
                         break;
                     }

@@ -241,3 +241,70 @@ async fn crash_during_a_room_sweep(backend: Backend) {
     sigterm_exits_zero(worker).await;
 }
 both_backends!(sweep_then_crash, crash_during_a_room_sweep);
+
+/// SPEC §5.5.5, the other way: our last user leaves a room of 1,200 remote
+/// members and the worker aborts after the first chunk of untracking; the
+/// next worker finishes it: nobody shares the room, nobody is left stale
+/// (untracking removes the stale mark), the flag is gone.
+async fn crash_during_a_room_leave(backend: Backend) {
+    use entity::{room, shared_user, stale_user};
+    use sea_orm::PaginatorTrait;
+    const MEMBERS: u64 = 1200;
+    const ROOM: &str = "!big:our.example";
+    let setup = Setup::new(backend).await;
+    let js = setup.nats.js().await;
+    let db = setup.store.connection();
+    let membership = |who: String, what: &str, at: u64| {
+        json!({"room_id": ROOM, "state_key": who, "membership": what, "stream_ordering": at})
+            .to_string()
+    };
+    let me = format!("@me:{}", common::OUR_SERVER);
+    let joined = setup.spawn_with(None, true);
+    common::eventually(Duration::from_secs(20), "input stream", || async {
+        js.get_stream("DEVICE_LIST_INPUT").await.ok().map(|_| ())
+    })
+    .await;
+    publish(
+        &js,
+        "devicelist.in.membership",
+        &membership(me.clone(), "join", 1),
+        None,
+    )
+    .await;
+    for n in 0..MEMBERS {
+        let body = membership(format!("@u{n}:remote.example"), "join", n + 2);
+        publish(&js, "devicelist.in.membership", &body, None).await;
+    }
+    common::eventually(Duration::from_secs(30), "all members shared", || async {
+        let shared = shared_user::Entity::find().count(db).await.ok()?;
+        (shared == MEMBERS).then_some(())
+    })
+    .await;
+    sigterm_exits_zero(joined).await;
+
+    let mut crashing = setup.spawn_with(Some("crash_after_sweep_chunk"), true);
+    let body = membership(me, "leave", MEMBERS + 2);
+    publish(&js, "devicelist.in.membership", &body, None).await;
+    let status = exits(&mut crashing).await;
+    assert!(!status.success(), "the fault aborts the worker");
+    let shared = shared_user::Entity::find().count(db).await.unwrap();
+    assert!(
+        shared > 0 && shared < MEMBERS,
+        "aborted half-way: {shared} still shared"
+    );
+
+    let worker = setup.spawn_with(None, true);
+    common::eventually(Duration::from_secs(30), "the leave finished", || async {
+        let shared = shared_user::Entity::find().count(db).await.ok()?;
+        let stale = stale_user::Entity::find().count(db).await.ok()?;
+        let flagged = room::Entity::find_by_id(ROOM.to_owned())
+            .one(db)
+            .await
+            .ok()??
+            .sweep;
+        (shared == 0 && stale == 0 && !flagged).then_some(())
+    })
+    .await;
+    sigterm_exits_zero(worker).await;
+}
+both_backends!(leave_then_crash, crash_during_a_room_leave);

@@ -39,6 +39,24 @@ async fn refuse_poison_devices(db: &sea_orm::DatabaseConnection, backend: Backen
     }
 }
 
+/// The database refuses every membership of the room `!poison:our.example`.
+async fn refuse_poison_room(db: &sea_orm::DatabaseConnection, backend: Backend) {
+    let statements: &[&str] = match backend {
+        Backend::Sqlite => &["CREATE TRIGGER refuse_poison BEFORE INSERT ON room_member \
+             WHEN NEW.room_id = '!poison:our.example' BEGIN SELECT RAISE(ABORT, 'poison room'); END"],
+        Backend::Postgres => &[
+            "CREATE FUNCTION refuse_poison() RETURNS trigger AS $$ BEGIN \
+             IF NEW.room_id = '!poison:our.example' THEN RAISE EXCEPTION 'poison room'; END IF; \
+             RETURN NEW; END $$ LANGUAGE plpgsql",
+            "CREATE TRIGGER refuse_poison BEFORE INSERT ON room_member \
+             FOR EACH ROW EXECUTE FUNCTION refuse_poison()",
+        ],
+    };
+    for sql in statements {
+        db.execute_unprepared(sql).await.unwrap();
+    }
+}
+
 async fn a_refused_message_is_dead_lettered_alone(backend: Backend) {
     let nats = Nats::start().await;
     let db = TestDb::new(backend).await;
@@ -114,3 +132,63 @@ async fn a_message_delivered_too_often_is_dead_lettered(backend: Backend) {
     running.stop(Duration::from_secs(5)).await;
 }
 both_backends!(max_deliver, a_message_delivered_too_often_is_dead_lettered);
+
+/// Applied one by one (the database refused the batch), a link change the
+/// planner refuses as a conflict is still dead-lettered (SPEC §5.6.2),
+/// next to the message the database refused.
+async fn a_conflict_beside_a_refused_message(backend: Backend) {
+    use device_list_updater::config::Switch;
+    const KEY: &str = "@AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE";
+    let nats = Nats::start().await;
+    let db = TestDb::new(backend).await;
+    let js = nats.js().await;
+    let store = worker::open_store(&db.url, Duration::from_secs(10))
+        .await
+        .unwrap();
+    refuse_poison_room(store.connection(), backend).await;
+    common::create_input_stream(&js).await;
+    let link = |user: &str, at: i64| {
+        json!({"room_id": "!k:our.example", "member_key": KEY, "user_id": user,
+               "verified": true, "stream_ordering": at})
+        .to_string()
+    };
+    publish(
+        &js,
+        "devicelist.in.member_key",
+        &link("@bob:remote.example", 1),
+        None,
+    )
+    .await;
+    let poison = json!({"room_id": "!poison:our.example", "state_key": "@bob:remote.example",
+                        "membership": "join", "stream_ordering": 1});
+    publish(&js, "devicelist.in.membership", &poison.to_string(), None).await;
+    publish(
+        &js,
+        "devicelist.in.member_key",
+        &link("@carol:remote.example", 2),
+        None,
+    )
+    .await;
+    let mut config = common::config(&nats, &db);
+    config.settings.membership = Switch::On;
+    config.settings.msc4430 = Switch::On;
+    let running = worker::start(config).await.unwrap();
+    let dead = wait_stream(&js, "DEVICE_LIST_DEAD", 2).await;
+    let mut subjects: Vec<&str> = dead.iter().map(|d| d.subject.as_str()).collect();
+    subjects.sort_unstable();
+    assert_eq!(
+        subjects,
+        [
+            "devicelist.dead.link_conflict",
+            "devicelist.dead.unprocessable"
+        ]
+    );
+    let conflict = dead
+        .iter()
+        .find(|d| d.subject == "devicelist.dead.link_conflict")
+        .unwrap();
+    assert!(String::from_utf8_lossy(&conflict.body).contains("carol"));
+    wait_input_drained(&js).await;
+    running.stop(Duration::from_secs(5)).await;
+}
+both_backends!(conflict_one_by_one, a_conflict_beside_a_refused_message);

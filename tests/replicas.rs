@@ -91,3 +91,137 @@ async fn two_workers_keep_per_user_order(backend: Backend) {
     second.stop(Duration::from_secs(10)).await;
 }
 both_backends!(per_user_order, two_workers_keep_per_user_order);
+
+/// Membership and updates interleaved on one input stream, consumed by two
+/// replicas with a failover half-way (SPEC §5.5): at the end every user
+/// shares exactly the rooms the feed left it in, users in no room are
+/// untracked (no devices), those in a room are fetched and fresh, and no
+/// update's key change was published twice.
+async fn two_workers_track_by_membership(backend: Backend) {
+    use common::fetch_env::Env;
+    use device_list_updater::config::Switch;
+    use device_list_updater::testkit::remote::{Reply, device_list};
+    use entity::{remote_device, shared_user};
+    use sea_orm::{ColumnTrait, QueryFilter};
+    const MEMBERS: usize = 24;
+    const ROOMS: usize = 3;
+    const STEPS: i64 = 30;
+    let servers: Vec<String> = (0..4).map(|s| format!("s{s}.example")).collect();
+    let server_names: Vec<&str> = servers.iter().map(String::as_str).collect();
+    let member = |i: usize| format!("@m{i}:s{}.example", i % 4);
+    let Env {
+        nats: _nats,
+        db: _db,
+        js,
+        worker: first,
+        fleet,
+        config,
+    } = Env::start(backend, &server_names, Duration::ZERO, |config| {
+        config.settings.membership = Switch::On;
+    })
+    .await;
+    for i in 0..MEMBERS {
+        let list = device_list(&member(i), 0, &[("PHONE", "Phone")]);
+        fleet.script(&member(i), vec![Reply::Json(list)]);
+    }
+    let second = worker::start(config.clone()).await.expect("second replica");
+    let publish = |subject: &'static str, body: serde_json::Value| {
+        let js = js.clone();
+        async move { common::publish(&js, subject, &body.to_string(), None).await }
+    };
+    let room = |r: usize| format!("!r{r}:our.example");
+    for r in 0..ROOMS {
+        let body = json!({"room_id": room(r), "state_key": "@me:our.example",
+                          "membership": "join", "stream_ordering": 1});
+        publish("devicelist.in.membership", body).await;
+    }
+    // A fixed pseudo-random walk of joins and leaves; the model is `joined`.
+    let mut joined = vec![[false; ROOMS]; MEMBERS];
+    let mut seed: u64 = 0x5eed;
+    let mut next = |bound: usize| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as usize % bound
+    };
+    let mut ordering = 1;
+    let mut first = Some(first);
+    for step in 1..=STEPS {
+        if step == STEPS / 2 {
+            // The replica consuming the input stops; the other takes over.
+            if let Some(first) = first.take() {
+                first.stop(Duration::from_secs(10)).await;
+            }
+        }
+        for i in 0..MEMBERS {
+            if step == 1 || next(4) == 0 {
+                let r = next(ROOMS);
+                joined[i][r] = !joined[i][r];
+                ordering += 1;
+                let what = if joined[i][r] { "join" } else { "leave" };
+                let body = json!({"room_id": room(r), "state_key": member(i),
+                                  "membership": what, "stream_ordering": ordering});
+                publish("devicelist.in.membership", body).await;
+            }
+            let body = json!({"user_id": member(i), "device_id": format!("D{}", step % 3),
+                "device_display_name": format!("step {step}"), "stream_id": step,
+                "prev_id": [step - 1], "keys": {"step": step}});
+            publish("devicelist.in.update", body).await;
+        }
+    }
+    let db = second.store.connection();
+    wait_input_drained(&js).await;
+    let expected = |i: usize| joined[i].iter().filter(|&&j| j).count() as i32;
+    common::eventually(Duration::from_secs(30), "the tracked set", || async {
+        let shared: HashMap<String, i32> = shared_user::Entity::find()
+            .all(db)
+            .await
+            .ok()?
+            .into_iter()
+            .map(|row| (row.user_id, row.shared_rooms))
+            .collect();
+        let stale = stale_user::Entity::find().count(db).await.ok()?;
+        let outbox = second.store.outbox_len().await.ok()?;
+        let right =
+            (0..MEMBERS).all(|i| shared.get(&member(i)).copied().unwrap_or(0) == expected(i));
+        (right
+            && shared.len() == (0..MEMBERS).filter(|&i| expected(i) > 0).count()
+            && stale == 0
+            && outbox == 0)
+            .then_some(())
+    })
+    .await;
+    for i in 0..MEMBERS {
+        let devices = remote_device::Entity::find()
+            .filter(remote_device::Column::UserId.eq(member(i)))
+            .count(db)
+            .await
+            .unwrap();
+        if expected(i) == 0 {
+            assert_eq!(devices, 0, "{} shares no room: untracked", member(i));
+        } else {
+            assert!(devices > 0, "{} shares a room: fetched", member(i));
+        }
+    }
+    assert!(
+        (0..MEMBERS).any(|i| expected(i) == 0) && (0..MEMBERS).any(|i| expected(i) > 1),
+        "the walk leaves some users in no room and some in several"
+    );
+    // An update's key change names its stream id; none twice.
+    let events = common::read_stream(&js, "KEY_CHANGE").await;
+    let mut seen = std::collections::HashSet::new();
+    for event in &events {
+        let user = event.header("user_id").unwrap_or_default().to_owned();
+        let stream = event.json["stream_id"].as_i64().unwrap_or_default();
+        let device = event.json["device_id"].to_string();
+        if stream > 0 {
+            assert!(
+                seen.insert((user.clone(), stream, device)),
+                "{user}: the key change of update {stream} published twice"
+            );
+        }
+    }
+    assert!(!seen.is_empty(), "updates were applied");
+    second.stop(Duration::from_secs(10)).await;
+}
+both_backends!(membership_failover, two_workers_track_by_membership);

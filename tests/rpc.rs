@@ -47,6 +47,7 @@ impl Env {
         .await
         .expect("a reply in time")
         .expect("request");
+        common::assert_names_no_member_key(&reply.payload);
         serde_json::from_slice(&reply.payload).expect("JSON reply")
     }
 }

@@ -178,6 +178,7 @@ async fn resync(client: &async_nats::Client, user: &str, timeout_ms: u64) -> Val
         }
     })
     .await;
+    common::assert_names_no_member_key(&reply.payload);
     serde_json::from_slice(&reply.payload).expect("JSON reply")
 }
 

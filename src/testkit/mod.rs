@@ -10,6 +10,20 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 
+/// The first thing in `text` shaped like an MSC4430 member key (`@` and 43
+/// characters of unpadded base64, not followed by `:`), if any. The tests
+/// check with it that no request, key change or reply ever names one
+/// (SPEC §5.6): a member key is never a user id.
+pub fn member_key_in(text: &str) -> Option<&str> {
+    let base64 = |c: u8| c.is_ascii_alphanumeric() || matches!(c, b'+' | b'/' | b'-' | b'_');
+    let bytes = text.as_bytes();
+    text.match_indices('@').find_map(|(at, _)| {
+        let run = bytes[at + 1..].iter().take_while(|&&c| base64(c)).count();
+        let end = at + 1 + run;
+        (run == 43 && bytes.get(end) != Some(&b':')).then(|| &text[at..end])
+    })
+}
+
 /// The nats-server binary: `NATS_SERVER_BIN`, else `nats-server` on PATH.
 fn nats_server_bin() -> String {
     std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into())
@@ -170,5 +184,29 @@ where
             "timed out waiting for {what}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::member_key_in;
+
+    #[test]
+    fn finds_member_keys_and_only_them() {
+        let key = "@l8Hft5qXKn1vfHrg3p4-W8gELQVo8N13JkluMfmn2sQ";
+        let cases: &[(String, Option<&str>)] = &[
+            (key.to_owned(), Some(key)),
+            (format!(r#"{{"user_id":"{key}"}}"#), Some(key)),
+            (format!("/user/devices/{key}"), Some(key)),
+            // A user id whose localpart is 43 base64 characters is no key.
+            (format!("{key}:remote.example"), None),
+            ("@bob:remote.example".to_owned(), None),
+            (format!("{key}A"), None),
+            (key[..43].to_owned(), None),
+            (String::new(), None),
+        ];
+        for (text, expected) in cases {
+            assert_eq!(member_key_in(text), *expected, "{text}");
+        }
     }
 }

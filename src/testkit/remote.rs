@@ -45,6 +45,8 @@ struct Fleet {
     times: HashMap<String, Vec<std::time::Instant>>,
     /// The raw (percent-encoded) path of every signed request, in order.
     paths: Vec<String>,
+    /// Requests that named a member key where a user id belongs.
+    named_keys: Vec<String>,
 }
 
 /// The fleet's shared state and settings.
@@ -191,6 +193,17 @@ impl MockFederation {
     }
 }
 
+/// Every test with a fleet checks on the way out that no request asked for
+/// a member key's devices (SPEC §5.6: a key is never a user id).
+impl Drop for MockFederation {
+    fn drop(&mut self) {
+        let named = std::mem::take(&mut self.lock().named_keys);
+        if !std::thread::panicking() {
+            assert!(named.is_empty(), "requests named member keys: {named:?}");
+        }
+    }
+}
+
 /// Checks the X-Matrix header; returns the destination server.
 fn verify(shared: &Shared, method: &Method, uri: &Uri, headers: &HeaderMap) -> Option<String> {
     let x_matrix = XMatrix::extract_from_http_headers(headers).ok()?;
@@ -218,6 +231,13 @@ async fn devices(
     headers: HeaderMap,
 ) -> Response {
     // The destination signed for must be the server of the user asked for.
+    if let Some(key) = super::member_key_in(&user_id) {
+        let mut fleet = shared
+            .fleet
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        fleet.named_keys.push(key.to_owned());
+    }
     let user_server = user_id.split_once(':').map(|(_, server)| server.to_owned());
     let verified = verify(&shared, &method, &uri, &headers)
         .filter(|destination| Some(destination) == user_server.as_ref());

@@ -139,6 +139,7 @@ impl Stored {
     }
 }
 
+use device_list_updater::testkit::member_key_in;
 #[allow(unused_imports)] // each test crate uses a different subset
 pub use device_list_updater::testkit::stream_len;
 
@@ -155,7 +156,7 @@ pub async fn read_stream(js: &jetstream::Context, stream: &str) -> Vec<Stored> {
         let Ok(message) = s.get_raw_message(seq).await else {
             continue;
         };
-        let headers = message
+        let headers: Vec<(String, String)> = message
             .headers
             .iter()
             .flat_map(|(name, values)| {
@@ -164,6 +165,16 @@ pub async fn read_stream(js: &jetstream::Context, stream: &str) -> Vec<Stored> {
                     .map(move |v| (name.to_string(), v.as_str().to_owned()))
             })
             .collect();
+        if stream == "KEY_CHANGE" {
+            // Across every test: a key change never names a member key
+            // (SPEC §5.6).
+            let text = String::from_utf8_lossy(&message.payload);
+            let key = member_key_in(&text).or_else(|| {
+                let mut values = headers.iter().map(|(_, v)| v.as_str());
+                values.find_map(member_key_in)
+            });
+            assert!(key.is_none(), "a key change names member key {key:?}");
+        }
         out.push(Stored {
             subject: message.subject.to_string(),
             headers,
@@ -172,6 +183,15 @@ pub async fn read_stream(js: &jetstream::Context, stream: &str) -> Vec<Stored> {
         });
     }
     out
+}
+
+/// Panics if a reply names a member key: across every test, no RPC reply
+/// does (SPEC §5.6).
+#[allow(dead_code)] // each test crate uses a different subset
+pub fn assert_names_no_member_key(reply: &[u8]) {
+    let text = String::from_utf8_lossy(reply);
+    let key = member_key_in(&text);
+    assert!(key.is_none(), "a reply names member key {key:?}: {text}");
 }
 
 /// Waits until `stream` holds exactly `n` messages, then returns them.
