@@ -160,6 +160,25 @@ pub async fn drop_postgres_database(admin_url: &str, name: &str) {
     }
 }
 
+/// Waits (at most 20 s) until the input consumer has nothing pending or
+/// unacked.
+pub async fn wait_input_drained(js: &jetstream::Context) {
+    wait_for(
+        Duration::from_secs(20),
+        "input consumer drained",
+        || async {
+            let stream = js.get_stream("DEVICE_LIST_INPUT").await.ok()?;
+            let mut consumer: jetstream::consumer::PullConsumer = stream
+                .get_consumer("device-list-updater-input")
+                .await
+                .ok()?;
+            let info = consumer.info().await.ok()?;
+            (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
+        },
+    )
+    .await;
+}
+
 /// How many messages `stream` holds (0 if it does not exist).
 pub async fn stream_len(js: &jetstream::Context, stream: &str) -> u64 {
     match js.get_stream(stream).await {

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer};
+use async_nats::jetstream;
 use device_list_updater::config::Config;
 
 pub mod fetch_env;
@@ -211,23 +211,8 @@ pub async fn wait_stream(js: &jetstream::Context, stream: &str, n: u64) -> Vec<S
     messages
 }
 
-/// Waits until the input consumer has nothing pending or unacked.
-pub async fn wait_input_drained(js: &jetstream::Context) {
-    eventually(
-        Duration::from_secs(20),
-        "input consumer drained",
-        || async {
-            let stream = js.get_stream("DEVICE_LIST_INPUT").await.ok()?;
-            let mut consumer: consumer::PullConsumer = stream
-                .get_consumer("device-list-updater-input")
-                .await
-                .ok()?;
-            let info = consumer.info().await.ok()?;
-            (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
-        },
-    )
-    .await;
-}
+#[allow(unused_imports)] // each test crate uses a different subset
+pub use device_list_updater::testkit::wait_input_drained;
 
 #[allow(unused_imports)] // each test crate uses a different subset
 pub use device_list_updater::testkit::create_input_stream;
