@@ -192,7 +192,7 @@ async fn crash_between_publish_and_outbox_delete(backend: Backend) {
 both_backends!(publish_then_crash, crash_between_publish_and_outbox_delete);
 
 /// SPEC §5.5.5: the worker aborts after the first chunk of the sweep of a
-/// room our server just joined (1,200 remote members, 500 per chunk); the
+/// room our server just joined (1,200 remote members, 1,000 per chunk); the
 /// next worker finishes the sweep: every member shares the room, the flag
 /// is gone.
 async fn crash_during_a_room_sweep(backend: Backend) {

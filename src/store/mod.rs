@@ -6,6 +6,7 @@
 
 pub(crate) mod backoff;
 mod bulk;
+mod bulk_rooms;
 pub(crate) mod fetched;
 mod load;
 pub(crate) mod outbox;

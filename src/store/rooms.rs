@@ -26,7 +26,7 @@ use crate::input::membership::Membership;
 
 /// Remote (room, user) pairs re-decided per sweep transaction: small enough
 /// that other input waits well under a second for a chunk.
-pub const SWEEP_CHUNK: u64 = 500;
+pub const SWEEP_CHUNK: u64 = 1000;
 
 /// Loads the rooms, memberships and links `messages` name. Returns the
 /// snapshot without users yet, and the users whose rows it needs: the
@@ -194,11 +194,16 @@ fn to_i32(n: u32) -> i32 {
 /// Writes the room rows of a plan. Untracking comes first: every row of
 /// the users that stopped sharing goes, in this transaction (SPEC §5.5.4);
 /// rows the same plan writes for them afterwards (a rejoin) then stand.
+/// PostgreSQL takes the array statements of `bulk_rooms.rs`; these are the
+/// portable ones.
 pub(super) async fn write<C: ConnectionTrait>(
     db: &C,
     writes: &RoomWrites,
     own: &ServerName,
 ) -> Result<(), DbErr> {
+    if db.get_database_backend() == DbBackend::Postgres {
+        return super::bulk_rooms::write(db, writes, own).await;
+    }
     let untrack: Vec<&str> = writes.untrack.iter().map(|u| u.as_str()).collect();
     for chunk in untrack.chunks(CHUNK) {
         let ids = || chunk.iter().copied();
