@@ -15,14 +15,18 @@
 //! 3. `membership`: a membership snapshot (`BENCH_ROOMS` rooms, default
 //!    1000, × `BENCH_MEMBERS` remote members, default 100, drawn from
 //!    `BENCH_ROOM_USERS` users, default 20000), half in member-key rooms,
-//!    applied with membership on, on PostgreSQL;
+//!    applied with membership on, on PostgreSQL, while a mock fleet of the
+//!    1,000 servers (`BENCH_LATENCY_MS`, default 100) answers the fetches
+//!    of the users it starts tracking (`BENCH_FLEET=off`: no fleet);
 //! 4. `room_leave`: our server leaving a room of `BENCH_ROOM_MEMBERS`
-//!    remote members (default 50000), on PostgreSQL.
+//!    remote members (default 50000), on PostgreSQL, while updates of
+//!    1,000 other users flow at 500/s (their latency is reported).
 
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream};
 use device_list_updater::config::Config;
+use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
 use device_list_updater::testkit::{
     Nats, create_input_stream, create_postgres_database, drop_postgres_database, stream_len,
     wait_for,
@@ -39,7 +43,11 @@ fn env_usize(key: &str, default: usize) -> usize {
 }
 
 fn update(user: usize, round: usize) -> String {
-    let user = format!("@user{user}:server{}.example", user % 500);
+    update_of(&format!("@user{user}:server{}.example", user % 500), round)
+}
+
+/// `user`'s update number `round`, chained on the one before.
+fn update_of(user: &str, round: usize) -> String {
     let device = format!("DEV{}", round % 4);
     serde_json::json!({
         "user_id": user, "device_id": device, "device_display_name": format!("Phone {round}"),
@@ -204,15 +212,16 @@ fn member_key(n: usize) -> String {
 /// `rooms` rooms, each with our user and `members` remote members drawn
 /// from `users` distinct remote users on 1,000 servers; every second room
 /// a member-key room (each remote member a key with a verified link, sent
-/// before its join). Measured: worker start → input consumer drained.
-/// Returns (messages, messages/s, elapsed, users now sharing a room).
+/// before its join); a mock fleet plays the 1,000 servers. Measured:
+/// worker start → input consumer drained, and → every user it started
+/// tracking fetched.
 async fn membership_snapshot(
     nats: &Nats,
     database_url: &str,
     rooms: usize,
     members: usize,
     users: usize,
-) -> (usize, f64, Duration, u64) {
+) -> Snapshot {
     use sea_orm::PaginatorTrait;
     let js = nats.js().await;
     for name in [
@@ -269,13 +278,79 @@ async fn membership_snapshot(
     let mut config = Config::for_tests("our.example", &nats.url, database_url);
     config.settings.membership = device_list_updater::config::Switch::On;
     config.settings.msc4430 = device_list_updater::config::Switch::On;
-    config.settings.retry_min = Duration::from_secs(60);
-    config.settings.retry_max = Duration::from_secs(3600);
+    // Production settings for fetching: the fan-out of the users the
+    // snapshot starts tracking runs beside it, as it would.
+    let defaults = device_list_updater::config::Settings::default();
+    config.settings.federation_timeout = defaults.federation_timeout;
+    config.settings.retry_min = defaults.retry_min;
+    config.settings.retry_max = defaults.retry_max;
+    config.settings.fetch_concurrency = defaults.fetch_concurrency;
     config.settings.ack_wait = Duration::from_secs(60);
     config.settings.batch_size = env_usize("BENCH_BATCH", 1000);
+    let latency = Duration::from_millis(env_usize("BENCH_LATENCY_MS", 100) as u64);
+    let fleet = MockFederation::trusting(&config, latency).await;
+    let servers: Vec<String> = (0..1000).map(|s| format!("server{s}.example")).collect();
+    // `BENCH_FLEET=off`: no remote servers (their names do not resolve), so
+    // the snapshot is measured without the fan-out beside it.
+    let with_fleet = std::env::var("BENCH_FLEET").as_deref() != Ok("off");
+    if with_fleet {
+        fleet.serve(&mut config, servers.iter().map(String::as_str));
+    }
+    for user in 0..users {
+        let user_id = format!("@user{user}:server{}.example", user % 1000);
+        let list = device_list(&user_id, 1, &[("D1", "Phone"), ("D2", "Laptop")]);
+        fleet.script(&user_id, vec![Reply::Json(list)]);
+    }
     let started = Instant::now();
     let running = worker::start(config).await.expect("worker");
-    wait_for(Duration::from_secs(600), "input drained", || async {
+    wait_input_drained_within(&js, Duration::from_secs(600)).await;
+    let applied = started.elapsed();
+    let db = store.connection();
+    if with_fleet {
+        wait_for(
+            Duration::from_secs(600),
+            "every shared user fetched",
+            || async {
+                let stale = entity::stale_user::Entity::find().count(db).await.ok()?;
+                (stale == 0 && fleet.total_requests() >= users).then_some(())
+            },
+        )
+        .await;
+    }
+    let fetched = started.elapsed();
+    let shared = entity::shared_user::Entity::find()
+        .count(db)
+        .await
+        .expect("count");
+    assert_eq!(fleet.bad_signatures(), 0);
+    let requests = fleet.total_requests();
+    running.stop(Duration::from_secs(10)).await;
+    Snapshot {
+        messages,
+        applied,
+        shared,
+        fetched,
+        requests,
+    }
+}
+
+/// What [`membership_snapshot`] measured.
+struct Snapshot {
+    /// Membership and link messages applied.
+    messages: usize,
+    /// Worker start → input drained.
+    applied: Duration,
+    /// Users sharing a room with us at the end.
+    shared: u64,
+    /// Worker start → every shared user fetched and fresh.
+    fetched: Duration,
+    /// Requests the remote fleet answered.
+    requests: usize,
+}
+
+/// Waits until the input consumer has nothing pending or unacked.
+async fn wait_input_drained_within(js: &jetstream::Context, timeout: Duration) {
+    wait_for(timeout, "input drained", || async {
         let stream = js.get_stream("DEVICE_LIST_INPUT").await.ok()?;
         let mut consumer: jetstream::consumer::PullConsumer = stream
             .get_consumer("device-list-updater-input")
@@ -285,25 +360,16 @@ async fn membership_snapshot(
         (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
     })
     .await;
-    let elapsed = started.elapsed();
-    let shared = entity::shared_user::Entity::find()
-        .count(store.connection())
-        .await
-        .expect("count");
-    running.stop(Duration::from_secs(10)).await;
-    (
-        messages,
-        messages as f64 / elapsed.as_secs_f64(),
-        elapsed,
-        shared,
-    )
 }
 
 /// Our server leaving a room of `members` remote members: the room is set
 /// up (our user joined first, so members start sharing one by one), then
 /// our user leaves. Measured: the leave published → every member untracked
-/// and the sweep done. Returns (elapsed, users still sharing).
-async fn room_leave(nats: &Nats, database_url: &str, members: usize) -> (Duration, u64) {
+/// and the sweep done. Meanwhile 500 updates a second flow for 1,000 other
+/// users (tracked through another room); their publish → key change
+/// latency is the second figure. Returns (elapsed, users still sharing,
+/// latencies).
+async fn room_leave(nats: &Nats, database_url: &str, members: usize) -> (Duration, u64, Latencies) {
     use sea_orm::PaginatorTrait;
     let js = nats.js().await;
     for name in [
@@ -319,6 +385,7 @@ async fn room_leave(nats: &Nats, database_url: &str, members: usize) -> (Duratio
         .await
         .expect("db");
     create_input_stream(&js).await;
+    seed_others(store.connection()).await;
     let join = |who: String, membership: &str, at: usize| {
         serde_json::json!({"room_id": "!big:our.example", "state_key": who,
             "membership": membership, "stream_ordering": at})
@@ -345,9 +412,10 @@ async fn room_leave(nats: &Nats, database_url: &str, members: usize) -> (Duratio
     let db = store.connection();
     wait_for(Duration::from_secs(600), "all members shared", || async {
         let shared = entity::shared_user::Entity::find().count(db).await.ok()?;
-        (shared == members as u64).then_some(())
+        (shared == (members + OTHERS) as u64).then_some(())
     })
     .await;
+    let received = key_changes_seen(nats).await;
     let started = Instant::now();
     publish_all(
         &js,
@@ -355,6 +423,8 @@ async fn room_leave(nats: &Nats, database_url: &str, members: usize) -> (Duratio
         std::iter::once(join("@me:our.example".into(), "leave", members + 1)),
     )
     .await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let steady = tokio::spawn(steady_updates(js.clone(), stop.clone()));
     wait_for(
         Duration::from_secs(600),
         "all members untracked",
@@ -364,17 +434,143 @@ async fn room_leave(nats: &Nats, database_url: &str, members: usize) -> (Duratio
                 .one(db)
                 .await
                 .ok()??;
-            (shared == 0 && !room.sweep).then_some(shared)
+            (shared == OTHERS as u64 && !room.sweep).then_some(shared)
         },
     )
     .await;
     let elapsed = started.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = steady.await.expect("steady updates");
+    let latencies = wait_for(Duration::from_secs(60), "the others' key changes", || {
+        let received = received.clone();
+        let sent = &sent;
+        async move {
+            let received = received.lock().ok()?;
+            sent.iter()
+                .map(|(key, at)| Some(received.get(key)?.duration_since(*at)))
+                .collect::<Option<Vec<Duration>>>()
+        }
+    })
+    .await;
     let left = entity::shared_user::Entity::find()
         .count(db)
         .await
-        .expect("count");
+        .expect("count")
+        - OTHERS as u64;
     running.stop(Duration::from_secs(10)).await;
-    (elapsed, left)
+    (elapsed, left, Latencies::of(latencies))
+}
+
+/// Users of the steady updates during a sweep.
+const OTHERS: usize = 1000;
+
+fn other(i: usize) -> String {
+    format!("@other{i}:busy{}.example", i % 50)
+}
+
+/// The other users, known up to stream id 0 and sharing one room with us
+/// (as after a fetch of members of another room).
+async fn seed_others(db: &sea_orm::DatabaseConnection) {
+    let users: Vec<_> = (0..OTHERS)
+        .map(|i| entity::remote_user::ActiveModel {
+            user_id: Set(other(i)),
+            server_name: Set(format!("busy{}.example", i % 50)),
+            known_stream_ids: Set("[0]".into()),
+            max_stream_id: Set(0),
+            fetched_stream_id: Set(0),
+        })
+        .collect();
+    let shared: Vec<_> = (0..OTHERS)
+        .map(|i| entity::shared_user::ActiveModel {
+            user_id: Set(other(i)),
+            server_name: Set(format!("busy{}.example", i % 50)),
+            shared_rooms: Set(1),
+        })
+        .collect();
+    entity::remote_user::Entity::insert_many(users)
+        .exec_without_returning(db)
+        .await
+        .expect("seed users");
+    entity::shared_user::Entity::insert_many(shared)
+        .exec_without_returning(db)
+        .await
+        .expect("seed shared");
+}
+
+/// (user, stream id) → when its key change arrived, from a core-NATS
+/// subscriber on `key_change.>`.
+type Seen = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, i64), Instant>>>;
+
+async fn key_changes_seen(nats: &Nats) -> Seen {
+    let client = nats.client().await;
+    let mut changes = client.subscribe("key_change.>").await.expect("subscribe");
+    let seen = Seen::default();
+    let out = seen.clone();
+    tokio::spawn(async move {
+        while let Some(message) = changes.next().await {
+            let at = Instant::now();
+            let event: serde_json::Value =
+                serde_json::from_slice(&message.payload).unwrap_or_default();
+            if let (Some(user), Some(stream)) =
+                (event["user_id"].as_str(), event["stream_id"].as_i64())
+                && let Ok(mut seen) = out.lock()
+            {
+                seen.insert((user.to_owned(), stream), at);
+            }
+        }
+    });
+    // The subscription is registered with the server before any publish.
+    client.flush().await.expect("flush");
+    seen
+}
+
+/// Publishes an update every 2 ms, round-robin over the other users, until
+/// `stop`; returns when each was sent.
+async fn steady_updates(
+    js: jetstream::Context,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<((String, i64), Instant)> {
+    let mut tick = tokio::time::interval(Duration::from_millis(2));
+    let mut sent = Vec::new();
+    for k in 0.. {
+        tick.tick().await;
+        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+            break;
+        }
+        let (user, round) = (other(k % OTHERS), 1 + k / OTHERS);
+        let at = Instant::now();
+        js.publish("devicelist.in.update", update_of(&user, round).into())
+            .await
+            .expect("publish")
+            .await
+            .expect("publish ack");
+        sent.push(((user, round as i64), at));
+    }
+    sent
+}
+
+/// Latency figures of a set of measurements.
+struct Latencies {
+    count: usize,
+    p50: Duration,
+    p99: Duration,
+    max: Duration,
+}
+
+impl Latencies {
+    fn of(mut all: Vec<Duration>) -> Latencies {
+        all.sort_unstable();
+        let at = |q: f64| {
+            let i = ((all.len() as f64 * q).ceil() as usize).clamp(1, all.len().max(1)) - 1;
+            all.get(i).copied().unwrap_or_default()
+        };
+        Latencies {
+            count: all.len(),
+            p50: at(0.50),
+            p99: at(0.99),
+            max: all.last().copied().unwrap_or_default(),
+        }
+    }
 }
 
 fn worker_lease_bucket() -> &'static str {
@@ -430,24 +626,43 @@ fn main() {
             let rooms = env_usize("BENCH_ROOMS", 1000);
             let members = env_usize("BENCH_MEMBERS", 100);
             let distinct = env_usize("BENCH_ROOM_USERS", 20_000);
-            let (messages, rate, time, shared) =
-                membership_snapshot(&nats, &pg_url, rooms, members, distinct).await;
+            let run = membership_snapshot(&nats, &pg_url, rooms, members, distinct).await;
             drop_postgres_database(&admin, &pg_name).await;
             println!(
-                "| membership snapshot, PostgreSQL ({rooms} rooms × {members} remote members, half member-key rooms; {shared} users now shared) | {messages} | {:.2}s | {rate:.0} |",
-                time.as_secs_f64()
+                "| membership snapshot, PostgreSQL ({rooms} rooms × {members} remote members, half member-key rooms; {} users now shared) | {} | {:.2}s | {:.0} |",
+                run.shared,
+                run.messages,
+                run.applied.as_secs_f64(),
+                run.messages as f64 / run.applied.as_secs_f64()
             );
+            if run.requests > 0 {
+                println!(
+                    "| … and its fan-out: worker start → all {} users fetched ({} requests) | {} | {:.2}s | {:.0} |",
+                    run.shared,
+                    run.requests,
+                    run.shared,
+                    run.fetched.as_secs_f64(),
+                    run.shared as f64 / run.fetched.as_secs_f64()
+                );
+            }
         }
         if named("room_leave") {
             let admin = std::env::var("DLU_BENCH_PG_URL")
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
             let (pg_url, pg_name) = create_postgres_database(&admin, "dlu_bench_leave").await;
             let members = env_usize("BENCH_ROOM_MEMBERS", 50_000);
-            let (time, left) = room_leave(&nats, &pg_url, members).await;
+            let (time, left, others) = room_leave(&nats, &pg_url, members).await;
             drop_postgres_database(&admin, &pg_name).await;
             println!(
                 "| our server leaving a room of {members} remote members, PostgreSQL (leave published → all untracked; {left} left) | 1 | {:.2}s | - |",
                 time.as_secs_f64()
+            );
+            println!(
+                "| … meanwhile, updates of other users at 500/s: publish → key change p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms | {} | - | - |",
+                others.p50.as_secs_f64() * 1000.0,
+                others.p99.as_secs_f64() * 1000.0,
+                others.max.as_secs_f64() * 1000.0,
+                others.count
             );
         }
         if runs("sqlite") {

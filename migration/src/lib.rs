@@ -11,6 +11,7 @@ mod m20261201_000001_postgres_tuning;
 mod m20261201_000002_fetched_stream_id;
 mod m20261201_000003_fetch_backoff;
 mod m20261202_000001_rooms;
+mod m20261203_000001_room_sweep_index;
 
 /// The list of migrations, oldest first.
 pub struct Migrator;
@@ -24,6 +25,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261201_000002_fetched_stream_id::Migration),
             Box::new(m20261201_000003_fetch_backoff::Migration),
             Box::new(m20261202_000001_rooms::Migration),
+            Box::new(m20261203_000001_room_sweep_index::Migration),
         ]
     }
 }

@@ -440,7 +440,13 @@ impl Store {
         }
         let ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
         load_shared(&txn, &mut rooms, &ids).await?;
-        let mut snapshot = super::load::snapshot(&txn, &[], &ids).await?;
+        // Users only stop sharing a room we left, and untracking needs no
+        // user state: the stored rows are deleted whatever they hold.
+        let mut snapshot = if ours(Some(&row)) {
+            super::load::snapshot(&txn, &[], &ids).await?
+        } else {
+            crate::decide::Snapshot::default()
+        };
         snapshot.rooms = Some(rooms);
         let plan = plan_sweep(snapshot, room_id, &users, last, now_ms);
         write(&txn, &plan.rooms, &own).await?;
