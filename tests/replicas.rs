@@ -136,7 +136,7 @@ async fn two_workers_track_by_membership(backend: Backend) {
         publish("devicelist.in.membership", body).await;
     }
     // A fixed pseudo-random walk of joins and leaves; the model is `joined`.
-    let mut joined = vec![[false; ROOMS]; MEMBERS];
+    let mut joined = [[false; ROOMS]; MEMBERS];
     let mut seed: u64 = 0x5eed;
     let mut next = |bound: usize| {
         seed = seed
@@ -153,12 +153,12 @@ async fn two_workers_track_by_membership(backend: Backend) {
                 first.stop(Duration::from_secs(10)).await;
             }
         }
-        for i in 0..MEMBERS {
+        for (i, rooms) in joined.iter_mut().enumerate() {
             if step == 1 || next(4) == 0 {
                 let r = next(ROOMS);
-                joined[i][r] = !joined[i][r];
+                rooms[r] = !rooms[r];
                 ordering += 1;
-                let what = if joined[i][r] { "join" } else { "leave" };
+                let what = if rooms[r] { "join" } else { "leave" };
                 let body = json!({"room_id": room(r), "state_key": member(i),
                                   "membership": what, "stream_ordering": ordering});
                 publish("devicelist.in.membership", body).await;
