@@ -29,7 +29,7 @@ use device_list_updater::config::Config;
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
 use device_list_updater::testkit::{
     Nats, create_input_stream, create_postgres_database, drop_postgres_database, stream_len,
-    wait_for,
+    wait_for, wait_input_drained_within,
 };
 use device_list_updater::worker;
 use futures::StreamExt as _;
@@ -346,20 +346,6 @@ struct Snapshot {
     fetched: Duration,
     /// Requests the remote fleet answered.
     requests: usize,
-}
-
-/// Waits until the input consumer has nothing pending or unacked.
-async fn wait_input_drained_within(js: &jetstream::Context, timeout: Duration) {
-    wait_for(timeout, "input drained", || async {
-        let stream = js.get_stream("DEVICE_LIST_INPUT").await.ok()?;
-        let mut consumer: jetstream::consumer::PullConsumer = stream
-            .get_consumer("device-list-updater-input")
-            .await
-            .ok()?;
-        let info = consumer.info().await.ok()?;
-        (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
-    })
-    .await;
 }
 
 /// Our server leaving a room of `members` remote members: the room is set

@@ -20,41 +20,45 @@ fn deletion(device: &str, stream: i64) -> String {
     json!({"user_id": ALICE, "device_id": device, "stream_id": stream, "prev_id": [], "deleted": true}).to_string()
 }
 
-async fn refuse_poison_devices(db: &sea_orm::DatabaseConnection, backend: Backend) {
-    let statements: &[&str] = match backend {
-        Backend::Sqlite => &[
-            "CREATE TRIGGER refuse_poison BEFORE INSERT ON remote_device \
-             WHEN NEW.device_id = 'POISON' BEGIN SELECT RAISE(ABORT, 'poison device'); END",
-        ],
-        Backend::Postgres => &[
-            "CREATE FUNCTION refuse_poison() RETURNS trigger AS $$ BEGIN \
-             IF NEW.device_id = 'POISON' THEN RAISE EXCEPTION 'poison device'; END IF; \
-             RETURN NEW; END $$ LANGUAGE plpgsql",
-            "CREATE TRIGGER refuse_poison BEFORE INSERT ON remote_device \
-             FOR EACH ROW EXECUTE FUNCTION refuse_poison()",
+/// The database refuses to insert into `table` a row whose `column` is
+/// `value` (a trigger raising `error`).
+async fn refuse(
+    db: &sea_orm::DatabaseConnection,
+    backend: Backend,
+    (table, column, value): (&str, &str, &str),
+    error: &str,
+) {
+    let statements = match backend {
+        Backend::Sqlite => vec![format!(
+            "CREATE TRIGGER refuse_poison BEFORE INSERT ON {table} \
+             WHEN NEW.{column} = '{value}' BEGIN SELECT RAISE(ABORT, '{error}'); END"
+        )],
+        Backend::Postgres => vec![
+            format!(
+                "CREATE FUNCTION refuse_poison() RETURNS trigger AS $$ BEGIN \
+                 IF NEW.{column} = '{value}' THEN RAISE EXCEPTION '{error}'; END IF; \
+                 RETURN NEW; END $$ LANGUAGE plpgsql"
+            ),
+            format!(
+                "CREATE TRIGGER refuse_poison BEFORE INSERT ON {table} \
+                 FOR EACH ROW EXECUTE FUNCTION refuse_poison()"
+            ),
         ],
     };
     for sql in statements {
-        db.execute_unprepared(sql).await.unwrap();
+        db.execute_unprepared(&sql).await.unwrap();
     }
+}
+
+async fn refuse_poison_devices(db: &sea_orm::DatabaseConnection, backend: Backend) {
+    let poison = ("remote_device", "device_id", "POISON");
+    refuse(db, backend, poison, "poison device").await;
 }
 
 /// The database refuses every membership of the room `!poison:our.example`.
 async fn refuse_poison_room(db: &sea_orm::DatabaseConnection, backend: Backend) {
-    let statements: &[&str] = match backend {
-        Backend::Sqlite => &["CREATE TRIGGER refuse_poison BEFORE INSERT ON room_member \
-             WHEN NEW.room_id = '!poison:our.example' BEGIN SELECT RAISE(ABORT, 'poison room'); END"],
-        Backend::Postgres => &[
-            "CREATE FUNCTION refuse_poison() RETURNS trigger AS $$ BEGIN \
-             IF NEW.room_id = '!poison:our.example' THEN RAISE EXCEPTION 'poison room'; END IF; \
-             RETURN NEW; END $$ LANGUAGE plpgsql",
-            "CREATE TRIGGER refuse_poison BEFORE INSERT ON room_member \
-             FOR EACH ROW EXECUTE FUNCTION refuse_poison()",
-        ],
-    };
-    for sql in statements {
-        db.execute_unprepared(sql).await.unwrap();
-    }
+    let poison = ("room_member", "room_id", "!poison:our.example");
+    refuse(db, backend, poison, "poison room").await;
 }
 
 async fn a_refused_message_is_dead_lettered_alone(backend: Backend) {

@@ -8,6 +8,7 @@
 use ruma::ServerName;
 use sea_orm::{ConnectionTrait, DbBackend, DbErr, Statement, Value};
 
+use super::rooms::to_i32;
 use crate::decide::rooms::RoomWrites;
 
 /// Every stored row of the users given, in one round trip (SPEC §5.5.4).
@@ -58,10 +59,6 @@ async fn run<C: ConnectionTrait>(db: &C, sql: &str, values: Vec<Value>) -> Resul
     ))
     .await?;
     Ok(())
-}
-
-fn to_i32(n: u32) -> i32 {
-    i32::try_from(n).unwrap_or(i32::MAX)
 }
 
 /// Writes `writes` as `rooms::write` does, a statement per table.

@@ -187,7 +187,8 @@ fn insert_pair(snapshot: &mut RoomSnapshot, row: room_user::Model) {
     }
 }
 
-fn to_i32(n: u32) -> i32 {
+/// A count as stored (an `integer` column).
+pub(super) fn to_i32(n: u32) -> i32 {
     i32::try_from(n).unwrap_or(i32::MAX)
 }
 

@@ -163,19 +163,20 @@ pub async fn drop_postgres_database(admin_url: &str, name: &str) {
 /// Waits (at most 20 s) until the input consumer has nothing pending or
 /// unacked.
 pub async fn wait_input_drained(js: &jetstream::Context) {
-    wait_for(
-        Duration::from_secs(20),
-        "input consumer drained",
-        || async {
-            let stream = js.get_stream("DEVICE_LIST_INPUT").await.ok()?;
-            let mut consumer: jetstream::consumer::PullConsumer = stream
-                .get_consumer("device-list-updater-input")
-                .await
-                .ok()?;
-            let info = consumer.info().await.ok()?;
-            (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
-        },
-    )
+    wait_input_drained_within(js, Duration::from_secs(20)).await;
+}
+
+/// [`wait_input_drained`], waiting at most `timeout`.
+pub async fn wait_input_drained_within(js: &jetstream::Context, timeout: Duration) {
+    wait_for(timeout, "input consumer drained", || async {
+        let stream = js.get_stream("DEVICE_LIST_INPUT").await.ok()?;
+        let mut consumer: jetstream::consumer::PullConsumer = stream
+            .get_consumer("device-list-updater-input")
+            .await
+            .ok()?;
+        let info = consumer.info().await.ok()?;
+        (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
+    })
     .await;
 }
 
