@@ -230,7 +230,6 @@ async fn devices(
     uri: Uri,
     headers: HeaderMap,
 ) -> Response {
-    // The destination signed for must be the server of the user asked for.
     if let Some(key) = super::member_key_in(&user_id) {
         let mut fleet = shared
             .fleet
@@ -238,6 +237,7 @@ async fn devices(
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         fleet.named_keys.push(key.to_owned());
     }
+    // The destination signed for must be the server of the user asked for.
     let user_server = user_id.split_once(':').map(|(_, server)| server.to_owned());
     let verified = verify(&shared, &method, &uri, &headers)
         .filter(|destination| Some(destination) == user_server.as_ref());
