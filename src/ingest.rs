@@ -339,6 +339,11 @@ impl Ingest {
         applied: &[Applied],
         covers: &[usize],
     ) -> bool {
+        // A plan has one outcome per message it was given.
+        debug_assert_eq!(
+            applied.iter().map(|a| a.plan.outcomes.len()).sum::<usize>(),
+            covers.len()
+        );
         let outcomes = applied.iter().flat_map(|a| a.plan.outcomes.iter().copied());
         for (outcome, &position) in outcomes.zip(covers) {
             if outcome != Outcome::LinkConflict {

@@ -33,7 +33,9 @@ async fn a_full_key_change_stream_holds_events_in_the_outbox(backend: Backend) {
         discard: DiscardPolicy::New,
         ..Default::default()
     };
-    js.create_stream(capped.clone()).await.expect("capped stream");
+    js.create_stream(capped.clone())
+        .await
+        .expect("capped stream");
     let running = worker::start(common::config(&nats, &db)).await.unwrap();
     remote_user::Entity::insert(remote_user::ActiveModel {
         user_id: Set(ALICE.into()),
@@ -84,4 +86,7 @@ async fn a_full_key_change_stream_holds_events_in_the_outbox(backend: Backend) {
     assert_eq!(streams, (1..=UPDATES).collect::<HashSet<_>>());
     running.stop(Duration::from_secs(10)).await;
 }
-both_backends!(key_change_full, a_full_key_change_stream_holds_events_in_the_outbox);
+both_backends!(
+    key_change_full,
+    a_full_key_change_stream_holds_events_in_the_outbox
+);
