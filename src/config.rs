@@ -167,6 +167,9 @@ pub struct Settings {
     /// Remote servers one replica fetches from at once.
     #[serde(deserialize_with = "value::number")]
     pub fetch_concurrency: usize,
+    /// Replicas of the streams and KV buckets the worker creates (1–5).
+    #[serde(deserialize_with = "value::number")]
+    pub stream_replicas: usize,
     /// `text` or `json` log lines on stderr.
     pub log_format: LogFormat,
     /// Fault injection for the crash tests; compiled into test builds only.
@@ -202,6 +205,7 @@ impl Default for Settings {
             max_deliver: 10,
             ack_wait: Duration::from_secs(60),
             fetch_concurrency: 1024,
+            stream_replicas: 1,
             log_format: LogFormat::Text,
             #[cfg(feature = "testkit")]
             fault: None,
@@ -280,6 +284,7 @@ fn describe(key: &str) -> &'static str {
         "max_deliver" => "deliveries of an input message before it is dead-lettered",
         "ack_wait" => "redelivery wait of unacked input and fetch jobs",
         "fetch_concurrency" => "remote servers fetched from at once",
+        "stream_replicas" => "replicas of the streams and KV buckets it creates (3 on a cluster)",
         "log_format" => "text or json",
         #[cfg(feature = "testkit")]
         "fault" => "fault injection (test builds only)",
@@ -372,6 +377,9 @@ impl Settings {
         }
         if self.max_deliver < 1 {
             return invalid("max_deliver", "must be at least 1");
+        }
+        if !(1..=5).contains(&self.stream_replicas) {
+            return invalid("stream_replicas", "must be between 1 and 5");
         }
         Ok(())
     }
@@ -656,6 +664,13 @@ mod tests {
         assert!(err.starts_with("batch_size"), "{err}");
         let err = load(&[("DLU_FETCH_CONCURRENCY", "0")]);
         assert!(err.starts_with("fetch_concurrency"), "{err}");
+        for replicas in ["0", "6"] {
+            let err = load(&[("DLU_STREAM_REPLICAS", replicas)]);
+            assert!(
+                err.contains("stream_replicas") && err.contains("between 1 and 5"),
+                "{err}"
+            );
+        }
         let err = load(&[("DLU_LOG_FORMAT", "xml")]);
         assert!(err.contains("DLU_LOG_FORMAT"), "{err}");
         let err = load(&[("DLU_RETRY_MIN", "2h")]);

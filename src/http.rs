@@ -31,6 +31,8 @@ pub struct Health {
     pub metrics: Metrics,
     /// The federation client (the guard's refusal count).
     pub federation: Arc<FederationClient>,
+    /// Found at start-up, shown by `/readyz` (streams with too few replicas).
+    pub warnings: Arc<Vec<String>>,
 }
 
 /// The router.
@@ -42,14 +44,19 @@ pub fn router(health: Health) -> Router {
         .with_state(health)
 }
 
-async fn ready(State(health): State<Health>) -> (StatusCode, &'static str) {
+async fn ready(State(health): State<Health>) -> (StatusCode, String) {
     let nats = health.nats.connection_state() == async_nats::connection::State::Connected;
     let db = health.store.ping().await;
-    match (nats, db) {
-        (true, true) => (StatusCode::OK, "ready\n"),
-        (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "nats unavailable\n"),
-        (true, false) => (StatusCode::SERVICE_UNAVAILABLE, "database unavailable\n"),
+    let (status, state) = match (nats, db) {
+        (true, true) => (StatusCode::OK, "ready"),
+        (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "nats unavailable"),
+        (true, false) => (StatusCode::SERVICE_UNAVAILABLE, "database unavailable"),
+    };
+    let mut body = format!("{state}\n");
+    for warning in health.warnings.iter() {
+        body.push_str(&format!("warning: {warning}\n"));
     }
+    (status, body)
 }
 
 /// Refreshes the scrape-time gauges and renders every metric. A source that

@@ -98,7 +98,10 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let instance_id = store.instance_id().await.map_err(StartError::Database)?;
     let js = jetstream::new(client.clone());
     let subjects = settings.input_subjects();
-    let inputs = streams::ensure_all(&js, &subjects.all()).await?;
+    let streams::Ensured {
+        inputs,
+        mut warnings,
+    } = streams::ensure_all(&js, &subjects.all(), settings.stream_replicas).await?;
     let consumer_settings = streams::InputConsumerSettings {
         max_deliver: settings.max_deliver,
         max_ack_pending: (settings.batch_size * 4).max(1000) as i64,
@@ -117,7 +120,13 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         overrides: settings.federation_overrides.clone(),
         timeout: settings.federation_timeout,
     })?;
-    let leases = lease::bucket(&js, settings.lease_ttl).await?;
+    let leases = lease::bucket(&js, settings.lease_ttl, settings.stream_replicas).await?;
+    // A KV bucket is a stream named after it.
+    let lease_stream = format!("KV_{}", lease::BUCKET);
+    warnings.extend(streams::replica_warning(&js, &lease_stream, settings.stream_replicas).await);
+    for warning in &warnings {
+        tracing::warn!("{warning}");
+    }
     let listener = TcpListener::bind(settings.http_addr)
         .await
         .map_err(|e| StartError::Http(settings.http_addr, e))?;
@@ -135,6 +144,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         store: store.clone(),
         metrics: metrics.clone(),
         federation: federation.clone(),
+        warnings: Arc::new(warnings),
     };
     tasks.spawn(http::serve(listener, health, shutdown.clone()));
     let (publisher, outbox) = Publisher::new(

@@ -20,8 +20,9 @@ use crate::shutdown::AbortOnDrop;
 /// Bucket of leases.
 pub const BUCKET: &str = "device_list_updater_leases";
 
-/// Opens the lease bucket, creating it with `ttl` as the lease length.
-pub async fn bucket(js: &Context, ttl: Duration) -> Result<Store, BusError> {
+/// Opens the lease bucket, creating it with `ttl` as the lease length and
+/// `replicas` replicas.
+pub async fn bucket(js: &Context, ttl: Duration, replicas: usize) -> Result<Store, BusError> {
     if let Ok(store) = js.get_key_value(BUCKET).await {
         return Ok(store);
     }
@@ -30,6 +31,7 @@ pub async fn bucket(js: &Context, ttl: Duration) -> Result<Store, BusError> {
         description: "device-list-updater: which replica consumes each input stream".into(),
         history: 1,
         max_age: ttl,
+        num_replicas: replicas,
         ..Default::default()
     })
     .await

@@ -116,12 +116,23 @@ pub async fn ensure_subjects(
     Ok(by_stream)
 }
 
-/// Creates (or adopts) every stream the worker needs; returns the input
-/// subjects grouped by the stream that holds them.
+/// The streams the worker uses, and warnings about those with fewer
+/// replicas than configured.
+pub struct Ensured {
+    /// The input subjects grouped by the stream that holds them.
+    pub inputs: BTreeMap<String, Vec<String>>,
+    /// One line per stream in use with fewer replicas than configured. Such
+    /// a stream is never changed: it may be the homeserver's.
+    pub warnings: Vec<String>,
+}
+
+/// Creates (or adopts) every stream the worker needs, new ones with
+/// `replicas` replicas.
 pub async fn ensure_all(
     js: &Context,
     input_subjects: &[String],
-) -> Result<BTreeMap<String, Vec<String>>, BusError> {
+    replicas: usize,
+) -> Result<Ensured, BusError> {
     let outputs = [
         (
             vec![
@@ -136,10 +147,44 @@ pub async fn ensure_all(
         ),
         (vec!["devicelist.fetch.x".to_owned()], fetch_stream_config()),
     ];
+    let replicated = |config: stream::Config| stream::Config {
+        num_replicas: replicas,
+        ..config
+    };
+    let mut used = std::collections::BTreeSet::new();
     for (subjects, config) in outputs {
-        ensure_subjects(js, &subjects, config).await?;
+        used.extend(
+            ensure_subjects(js, &subjects, replicated(config))
+                .await?
+                .into_keys(),
+        );
     }
-    ensure_subjects(js, input_subjects, input_stream_config()).await
+    let inputs = ensure_subjects(js, input_subjects, replicated(input_stream_config())).await?;
+    used.extend(inputs.keys().cloned());
+    let mut warnings = Vec::new();
+    for name in used {
+        warnings.extend(replica_warning(js, &name, replicas).await);
+    }
+    Ok(Ensured { inputs, warnings })
+}
+
+/// A warning if stream `name` exists with fewer than `wanted` replicas.
+pub async fn replica_warning(js: &Context, name: &str, wanted: usize) -> Option<String> {
+    let mut stream = js.get_stream(name).await.ok()?;
+    let info = stream.info().await.ok()?;
+    too_few_replicas(name, info.config.num_replicas, wanted)
+}
+
+/// A warning if stream `name` has `has` replicas (0: the server's default,
+/// one) and `wanted` are configured.
+fn too_few_replicas(name: &str, has: usize, wanted: usize) -> Option<String> {
+    let has = has.max(1);
+    (has < wanted).then(|| {
+        format!(
+            "stream {name} has {has} replica(s), fewer than DLU_STREAM_REPLICAS={wanted}; \
+             losing the node that holds it stops the service (it is not changed here)"
+        )
+    })
 }
 
 /// Settings of the input consumer.
