@@ -21,6 +21,11 @@
 //! 4. `room_leave`: our server leaving a room of `BENCH_ROOM_MEMBERS`
 //!    remote members (default 50000), on PostgreSQL, while updates of
 //!    1,000 other users flow at 500/s (their latency is reported).
+//! 5. `latency`: updates at a steady `BENCH_RATE` a second (default 5000)
+//!    for `BENCH_SECONDS` (default 10) over `BENCH_LATENCY_USERS` users
+//!    (default 5000) with two devices each, published to a running worker
+//!    on PostgreSQL; p50, p99 and max of publish → key change seen by a
+//!    core-NATS subscriber. Only run when named.
 
 use std::time::{Duration, Instant};
 
@@ -142,34 +147,14 @@ async fn bare_loop(nats: &Nats, n: usize, users: usize) -> f64 {
 /// The worker's ingest from pre-published updates to published key changes.
 async fn ingest(nats: &Nats, database_url: &str, n: usize, users: usize) -> (f64, Duration) {
     let js = nats.js().await;
-    for name in [
-        "DEVICE_LIST_INPUT",
-        "KEY_CHANGE",
-        "DEVICE_LIST_DEAD",
-        "DEVICE_LIST_FETCH",
-    ] {
-        let _ = js.delete_stream(name).await;
-    }
-    let _ = js.delete_key_value(worker_lease_bucket()).await;
+    fresh_streams(&js).await;
     let store = worker::open_store(database_url, Duration::from_secs(10))
         .await
         .expect("db");
-    // every user known up to stream id 0, as after a fetch
-    let rows: Vec<_> = (0..users)
-        .map(|u| entity::remote_user::ActiveModel {
-            user_id: Set(format!("@user{u}:server{}.example", u % 500)),
-            server_name: Set(format!("server{}.example", u % 500)),
-            known_stream_ids: Set("[0]".into()),
-            max_stream_id: Set(0),
-            fetched_stream_id: Set(0),
-        })
-        .collect();
-    for chunk in rows.chunks(1000) {
-        entity::remote_user::Entity::insert_many(chunk.to_vec())
-            .exec_without_returning(store.connection())
-            .await
-            .expect("seed");
-    }
+    seed_users(store.connection(), users, |u| {
+        format!("@user{u}:server{}.example", u % 500)
+    })
+    .await;
     create_input_stream(&js).await;
     // round by round: every batch holds many users, each with its next update
     publish_all(
@@ -195,6 +180,155 @@ async fn ingest(nats: &Nats, database_url: &str, n: usize, users: usize) -> (f64
     let elapsed = started.elapsed();
     running.stop(Duration::from_secs(10)).await;
     (n as f64 / elapsed.as_secs_f64(), elapsed)
+}
+
+/// `user`'s update number `round` as a client's device list carries it:
+/// two devices in turn, curve25519 and ed25519 keys, and the device's
+/// signature over them (the shape a homeserver publishes).
+fn realistic_update(user: &str, round: usize) -> String {
+    let device = format!("DEVICE{}", round % 2);
+    serde_json::json!({
+        "user_id": user, "device_id": device, "device_display_name": format!("Element on phone {round}"),
+        "stream_id": round, "prev_id": [round - 1],
+        "keys": {"user_id": user, "device_id": device,
+                 "algorithms": ["m.olm.v1.curve25519-aes-sha2", "m.megolm.v1.aes-sha2"],
+                 "keys": {format!("curve25519:{device}"): format!("3C5BFWi2Y8MaVvjM8M22DBmh24PmgR0nPvJO{round:08}"),
+                          format!("ed25519:{device}"): format!("lEuiRJBit0IG6nUf5pUzWTUEsRVVe/HJkoKu{round:08}")},
+                 "signatures": {user: {format!("ed25519:{device}"):
+                     format!("FLWxXqGbwrb8SM3Y795eB6OA8bwBcoMZFXBqnTn58AYWZSqiD45tlBVcDa2L7RwdKXebW/VzDlnfVJ+9jok1Bw{round:08}")}}}
+    })
+    .to_string()
+}
+
+/// Deletes what an earlier phase left: the worker's streams and its lease
+/// bucket.
+async fn fresh_streams(js: &jetstream::Context) {
+    for name in [
+        "DEVICE_LIST_INPUT",
+        "KEY_CHANGE",
+        "DEVICE_LIST_DEAD",
+        "DEVICE_LIST_FETCH",
+    ] {
+        let _ = js.delete_stream(name).await;
+    }
+    let _ = js.delete_key_value(worker_lease_bucket()).await;
+}
+
+/// Every user `name(u)` of `0..users` known up to stream id 0, as after a
+/// fetch.
+async fn seed_users(
+    db: &sea_orm::DatabaseConnection,
+    users: usize,
+    name: impl Fn(usize) -> String,
+) {
+    let rows: Vec<_> = (0..users)
+        .map(|u| {
+            let user_id = name(u);
+            let server = user_id
+                .split_once(':')
+                .map(|(_, s)| s.to_owned())
+                .unwrap_or_default();
+            entity::remote_user::ActiveModel {
+                user_id: Set(user_id),
+                server_name: Set(server),
+                known_stream_ids: Set("[0]".into()),
+                max_stream_id: Set(0),
+                fetched_stream_id: Set(0),
+            }
+        })
+        .collect();
+    for chunk in rows.chunks(1000) {
+        entity::remote_user::Entity::insert_many(chunk.to_vec())
+            .exec_without_returning(db)
+            .await
+            .expect("seed");
+    }
+}
+
+/// Latency at a steady rate (the shape a homeserver's traffic has between
+/// bursts): `users` users with two devices each, updates published at
+/// `rate` a second for `seconds`, round-robin over the users, to a running
+/// worker. Each update's time from its publish to its key change reaching a
+/// core-NATS subscriber on `key_change.>`.
+async fn steady_latency(
+    nats: &Nats,
+    database_url: &str,
+    users: usize,
+    rate: usize,
+    seconds: usize,
+) -> Latencies {
+    let js = nats.js().await;
+    fresh_streams(&js).await;
+    let store = worker::open_store(database_url, Duration::from_secs(10))
+        .await
+        .expect("db");
+    let name = |u: usize| format!("@user{u}:server{}.example", u % 500);
+    seed_users(store.connection(), users, name).await;
+    create_input_stream(&js).await;
+    let mut config = Config::for_tests("our.example", &nats.url, database_url);
+    config.settings.retry_min = Duration::from_secs(60);
+    config.settings.retry_max = Duration::from_secs(3600);
+    config.settings.lease_ttl = Duration::from_secs(10);
+    config.settings.ack_wait = Duration::from_secs(60);
+    let running = worker::start(config).await.expect("worker");
+    let received = key_changes_seen(nats).await;
+    // The first update waits for the worker to hold the input lease.
+    js.publish("devicelist.in.update", realistic_update(&name(0), 1).into())
+        .await
+        .expect("publish")
+        .await
+        .expect("ack");
+    wait_for(Duration::from_secs(30), "the worker consuming", || {
+        let received = received.clone();
+        async move { (received.lock().ok()?.len() == 1).then_some(()) }
+    })
+    .await;
+    // Publish acks are awaited aside, so a slow ack never delays the rate.
+    let (acks_tx, mut acks_rx) =
+        tokio::sync::mpsc::unbounded_channel::<jetstream::context::PublishAckFuture>();
+    let acks = tokio::spawn(async move {
+        while let Some(ack) = acks_rx.recv().await {
+            ack.await.expect("publish ack");
+        }
+    });
+    let total = rate * seconds;
+    let per_tick = rate.div_ceil(1000).max(1);
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut sent = Vec::with_capacity(total);
+    // Update 0 (user 0, round 1) was the warm-up.
+    let mut k = 1;
+    while sent.len() < total {
+        tick.tick().await;
+        for _ in 0..per_tick.min(total - sent.len()) {
+            let (user, round) = (k % users, 1 + k / users);
+            k += 1;
+            let user = name(user);
+            let body = realistic_update(&user, round);
+            let at = Instant::now();
+            let ack = js
+                .publish("devicelist.in.update", body.into())
+                .await
+                .expect("publish");
+            let _ = acks_tx.send(ack);
+            sent.push(((user, round as i64), at));
+        }
+    }
+    drop(acks_tx);
+    acks.await.expect("acks");
+    let latencies = wait_for(Duration::from_secs(120), "every key change", || {
+        let received = received.clone();
+        let sent = &sent;
+        async move {
+            let received = received.lock().ok()?;
+            sent.iter()
+                .map(|(key, at)| Some(received.get(key)?.duration_since(*at)))
+                .collect::<Option<Vec<Duration>>>()
+        }
+    })
+    .await;
+    running.stop(Duration::from_secs(10)).await;
+    Latencies::of(latencies)
 }
 
 /// A member key (`@` + unpadded URL-safe base64 of 32 bytes) for `n`.
@@ -224,15 +358,7 @@ async fn membership_snapshot(
 ) -> Snapshot {
     use sea_orm::PaginatorTrait;
     let js = nats.js().await;
-    for name in [
-        "DEVICE_LIST_INPUT",
-        "KEY_CHANGE",
-        "DEVICE_LIST_DEAD",
-        "DEVICE_LIST_FETCH",
-    ] {
-        let _ = js.delete_stream(name).await;
-    }
-    let _ = js.delete_key_value(worker_lease_bucket()).await;
+    fresh_streams(&js).await;
     let store = worker::open_store(database_url, Duration::from_secs(10))
         .await
         .expect("db");
@@ -358,15 +484,7 @@ struct Snapshot {
 async fn room_leave(nats: &Nats, database_url: &str, members: usize) -> (Duration, u64, Latencies) {
     use sea_orm::PaginatorTrait;
     let js = nats.js().await;
-    for name in [
-        "DEVICE_LIST_INPUT",
-        "KEY_CHANGE",
-        "DEVICE_LIST_DEAD",
-        "DEVICE_LIST_FETCH",
-    ] {
-        let _ = js.delete_stream(name).await;
-    }
-    let _ = js.delete_key_value(worker_lease_bucket()).await;
+    fresh_streams(&js).await;
     let store = worker::open_store(database_url, Duration::from_secs(10))
         .await
         .expect("db");
@@ -649,6 +767,23 @@ fn main() {
                 others.p99.as_secs_f64() * 1000.0,
                 others.max.as_secs_f64() * 1000.0,
                 others.count
+            );
+        }
+        if named("latency") {
+            let admin = std::env::var("DLU_BENCH_PG_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+            let (pg_url, pg_name) = create_postgres_database(&admin, "dlu_bench_latency").await;
+            let users = env_usize("BENCH_LATENCY_USERS", 5000);
+            let rate = env_usize("BENCH_RATE", 5000);
+            let seconds = env_usize("BENCH_SECONDS", 10);
+            let run = steady_latency(&nats, &pg_url, users, rate, seconds).await;
+            drop_postgres_database(&admin, &pg_name).await;
+            println!(
+                "| latency, PostgreSQL: {rate} updates/s for {seconds} s over {users} users × 2 devices, publish → key change p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms | {} | - | - |",
+                run.p50.as_secs_f64() * 1000.0,
+                run.p99.as_secs_f64() * 1000.0,
+                run.max.as_secs_f64() * 1000.0,
+                run.count
             );
         }
         if runs("sqlite") {

@@ -26,7 +26,8 @@ use crate::store::{Applied, Baton, Store, Turn};
 
 /// How long one pull waits for messages (also the longest a clean stop waits).
 const PULL_EXPIRY: Duration = Duration::from_secs(1);
-/// How long to wait for one more message before processing what arrived.
+/// While no batch is in flight, how long a batch may gather what follows its
+/// first message before it starts (a burst's messages arrive back to back).
 const LINGER: Duration = Duration::from_millis(2);
 /// Tries of a whole batch while the database answers before messages are
 /// applied one by one to find the one it refuses.
@@ -150,16 +151,7 @@ impl Ingest {
                 }
                 None => break,
             };
-            // Gather what follows closely. A real await (not `now_or_never`)
-            // matters: tokio's cooperative budget makes a bare poll report
-            // "pending" after 128 receives, which split batches into 128s.
-            let mut chunk = vec![first];
-            while chunk.len() < self.batch_size {
-                match tokio::time::timeout(LINGER, pull.next()).await {
-                    Ok(Some(Ok(message))) => chunk.push(message),
-                    _ => break,
-                }
-            }
+            let chunk = gather(first, &mut pull, self.batch_size, pipeline).await;
             pipeline.push(self, chunk, shutdown).await;
         }
     }
@@ -539,6 +531,45 @@ fn oldest_publish_time<'a>(
         .map(|nanos| UNIX_EPOCH + Duration::from_nanos(nanos))
 }
 
+/// A batch: `first` and what follows it, up to `max` messages. How long it
+/// gathers adapts to the load, so a lone update goes through at once while
+/// a burst still batches:
+/// - while a batch is in flight, it gathers until that batch has finished
+///   (it could not start sooner anyway) or it is full;
+/// - while none is, it takes what arrives within [`LINGER`] of its first
+///   message and goes.
+///
+/// Under a steady rate a batch therefore holds what arrived while the one
+/// before it ran, not a fixed time's worth. A real await on the pull (not
+/// `now_or_never`) matters: tokio's cooperative budget makes a bare poll
+/// report "pending" after 128 receives, which would split batches into 128s.
+async fn gather<T, E, S>(first: T, pull: &mut S, max: usize, pipeline: &mut Pipeline) -> Vec<T>
+where
+    S: futures::Stream<Item = Result<T, E>> + Unpin,
+{
+    let mut chunk = vec![first];
+    let linger_until = tokio::time::Instant::now() + LINGER;
+    while chunk.len() < max {
+        let next = if pipeline.is_busy() {
+            tokio::select! {
+                biased;
+                next = pull.next() => next,
+                () = pipeline.idle() => break,
+            }
+        } else {
+            match tokio::time::timeout_at(linger_until, pull.next()).await {
+                Ok(next) => next,
+                Err(_) => break,
+            }
+        };
+        match next {
+            Some(Ok(message)) => chunk.push(message),
+            _ => break,
+        }
+    }
+    chunk
+}
+
 /// A batch's place in the pipeline.
 struct Order {
     /// Its database turn after the previous batch.
@@ -591,6 +622,20 @@ impl Pipeline {
         }
     }
 
+    /// Whether a pushed batch has not finished yet.
+    fn is_busy(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    /// Waits until the batch in flight has finished. Cancel-safe: a wait cut
+    /// short leaves the batch in flight.
+    async fn idle(&mut self) {
+        if let Some(task) = &mut self.in_flight {
+            let _ = task.await;
+            self.in_flight = None;
+        }
+    }
+
     /// Waits until every pushed batch has finished.
     async fn finish(&mut self) {
         if let Some(last) = self.in_flight.take() {
@@ -604,5 +649,105 @@ impl Pipeline {
 async fn nak_all<'a>(messages: impl Iterator<Item = &'a Message>, delay: Option<Duration>) {
     for message in messages {
         let _ = message.ack_with(AckKind::Nak(delay)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use futures::StreamExt as _;
+    use futures::channel::mpsc;
+    use tokio::sync::oneshot;
+
+    use super::{LINGER, Pipeline, gather};
+
+    /// A pull whose messages the test sends.
+    fn pull() -> (
+        mpsc::UnboundedSender<u32>,
+        impl futures::Stream<Item = Result<u32, ()>> + Unpin,
+    ) {
+        let (tx, rx) = mpsc::unbounded();
+        (tx, rx.map(Ok))
+    }
+
+    /// A pipeline with a batch in flight until the sender is used or dropped.
+    fn busy() -> (Pipeline, oneshot::Sender<()>) {
+        let (tx, rx) = oneshot::channel::<()>();
+        let pipeline = Pipeline {
+            in_flight: Some(tokio::spawn(async move {
+                let _ = rx.await;
+            })),
+            ..Pipeline::default()
+        };
+        (pipeline, tx)
+    }
+
+    /// Sends a message every `every` from a task.
+    fn steady(tx: mpsc::UnboundedSender<u32>, every: Duration) {
+        tokio::spawn(async move {
+            for n in 1.. {
+                tokio::time::sleep(every).await;
+                if tx.unbounded_send(n).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+
+    /// Nothing in flight and a steady trickle closer than [`LINGER`]: the
+    /// batch still starts [`LINGER`] after its first message; it does not
+    /// wait for a gap that never comes.
+    #[tokio::test(start_paused = true)]
+    async fn idle_starts_within_linger() {
+        let (tx, mut pull) = pull();
+        let mut pipeline = Pipeline::default();
+        steady(tx, Duration::from_micros(500));
+        let started = tokio::time::Instant::now();
+        let batch = gather(0, &mut pull, 1000, &mut pipeline).await;
+        assert!(started.elapsed() <= LINGER + Duration::from_millis(1));
+        assert!(batch.len() <= 6, "{} messages", batch.len());
+    }
+
+    /// Nothing in flight and nothing else arriving: a lone update goes on
+    /// alone.
+    #[tokio::test(start_paused = true)]
+    async fn lone_message_goes_alone() {
+        let (_tx, mut pull) = pull();
+        let mut pipeline = Pipeline::default();
+        assert_eq!(gather(7, &mut pull, 1000, &mut pipeline).await, [7]);
+    }
+
+    /// A batch in flight: the next one gathers until it has finished (it
+    /// could not start sooner), however long that is, then goes at once.
+    #[tokio::test(start_paused = true)]
+    async fn busy_gathers_until_the_batch_in_flight_ends() {
+        let (tx, mut pull) = pull();
+        let (mut pipeline, finish) = busy();
+        steady(tx, Duration::from_millis(1));
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let _ = finish.send(());
+        });
+        let batch = gather(0, &mut pull, 1000, &mut pipeline).await;
+        assert!((45..=55).contains(&batch.len()), "{} messages", batch.len());
+        assert!(
+            !pipeline.is_busy(),
+            "the finished batch is no longer in flight"
+        );
+    }
+
+    /// A burst while a batch is in flight: the next batch fills up to its
+    /// size and goes without waiting for the one in flight.
+    #[tokio::test(start_paused = true)]
+    async fn burst_fills_the_batch() {
+        let (tx, mut pull) = pull();
+        let (mut pipeline, _finish) = busy();
+        for n in 1..5000 {
+            let _ = tx.unbounded_send(n);
+        }
+        let batch = gather(0, &mut pull, 1000, &mut pipeline).await;
+        assert_eq!(batch.len(), 1000);
+        assert!(pipeline.is_busy());
     }
 }
