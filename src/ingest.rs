@@ -22,6 +22,7 @@ use crate::bus::publisher::OutboxHandle;
 use crate::decide::Outcome;
 use crate::faults::{Fault, Faults};
 use crate::input::{self, DeadReason, InputMessage, InputSubjects, Parsed, Rejection};
+use crate::store::outbox::Origin;
 use crate::store::{Applied, Baton, Store, Turn};
 
 /// How long one pull waits for messages (also the longest a clean stop waits).
@@ -226,7 +227,6 @@ impl Ingest {
             m.user_id()
                 .map(|user| (user.server_name(), m.heard_from_server()))
         }));
-        let origin = oldest_publish_time(items.iter().map(|i| &i.message));
         let mut sweeps = false;
         for applied in &applied {
             for outcome in &applied.plan.outcomes {
@@ -251,9 +251,21 @@ impl Ingest {
             nak_all(items.iter().map(|i| &i.message), None).await;
             return;
         }
-        for mut batch in applied.into_iter().filter_map(|a| a.outbox) {
-            batch.origin = origin.map(|at| ("update", at));
-            self.outbox.committed(batch).await;
+        // Each batch of events is timed from the input messages it covers.
+        let mut covered = covers.iter();
+        for applied in applied {
+            let messages: Vec<&Message> = covered
+                .by_ref()
+                .take(applied.plan.outcomes.len())
+                .map(|&position| &items[accepted[position].0].message)
+                .collect();
+            if let Some(mut batch) = applied.outbox {
+                batch.origin = Some(Origin {
+                    source: "update",
+                    since: messages.into_iter().filter_map(entered_jetstream).collect(),
+                });
+                self.outbox.committed(batch).await;
+            }
         }
         let applied = started.elapsed();
         for item in &items {
@@ -519,15 +531,11 @@ impl Ingest {
     }
 }
 
-/// When the oldest of `messages` entered JetStream.
-fn oldest_publish_time<'a>(
-    messages: impl Iterator<Item = &'a Message>,
-) -> Option<std::time::SystemTime> {
-    messages
-        .filter_map(|m| m.info().ok())
-        .map(|info| info.published.unix_timestamp_nanos())
-        .min()
-        .and_then(|nanos| u64::try_from(nanos).ok())
+/// When `message` entered JetStream.
+fn entered_jetstream(message: &Message) -> Option<std::time::SystemTime> {
+    let nanos = message.info().ok()?.published.unix_timestamp_nanos();
+    u64::try_from(nanos)
+        .ok()
         .map(|nanos| UNIX_EPOCH + Duration::from_nanos(nanos))
 }
 

@@ -266,14 +266,13 @@ impl Metrics {
         self.inner.fetches_in_flight.add(delta);
     }
 
-    /// Counts published key changes and the latency of their batch.
-    pub fn published(&self, events: usize, source: &str, seconds: Option<f64>) {
+    /// Counts published key changes and observes the latency of each of
+    /// their causes (`seconds`: one per input message or fetched user).
+    pub fn published(&self, events: usize, source: &str, seconds: impl IntoIterator<Item = f64>) {
         self.inner.key_changes.inc_by(events as u64);
-        if let Some(seconds) = seconds {
-            self.inner
-                .update_to_key_change
-                .with_label_values(&[source])
-                .observe(seconds);
+        let histogram = self.inner.update_to_key_change.with_label_values(&[source]);
+        for seconds in seconds {
+            histogram.observe(seconds);
         }
     }
 
@@ -324,7 +323,7 @@ mod tests {
         metrics.membership_change("applied");
         metrics.dead_letter("not_json");
         metrics.fetch("example.org", "stored", 0.1);
-        metrics.published(1, "update", Some(0.1));
+        metrics.published(1, "update", [0.1]);
         let families = metrics.inner.registry.gather();
         assert!(families.len() >= 11, "{} families", families.len());
         for family in families {

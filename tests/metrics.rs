@@ -73,3 +73,54 @@ async fn metrics_follow_the_work(backend: Backend) {
     running.stop(Duration::from_secs(10)).await;
 }
 both_backends!(follow, metrics_follow_the_work);
+
+/// The latency histogram has one observation per update, not one per
+/// batch: five updates published before the worker starts (so they are
+/// applied together) are five observations.
+async fn latency_per_update(backend: Backend) {
+    use sea_orm::{ActiveModelTrait as _, ActiveValue::Set};
+    let nats = Nats::start().await;
+    let db = TestDb::new(backend).await;
+    let store = worker::open_store(&db.url, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let users: Vec<String> = (0..5).map(|n| format!("@user{n}:remote.example")).collect();
+    for user in &users {
+        // Known up to stream id 0, as after a fetch.
+        entity::remote_user::ActiveModel {
+            user_id: Set(user.clone()),
+            server_name: Set("remote.example".into()),
+            known_stream_ids: Set("[0]".into()),
+            max_stream_id: Set(0),
+            fetched_stream_id: Set(0),
+        }
+        .insert(store.connection())
+        .await
+        .unwrap();
+    }
+    let js = nats.js().await;
+    device_list_updater::testkit::create_input_stream(&js).await;
+    for user in &users {
+        let update = json!({"user_id": user, "device_id": "DEV", "stream_id": 1, "prev_id": [0],
+            "keys": {"user_id": user, "device_id": "DEV", "algorithms": [],
+                     "keys": {"ed25519:DEV": "key"}, "signatures": {}}});
+        publish(&js, "devicelist.in.update", &update.to_string(), None).await;
+    }
+    let running = worker::start(common::config(&nats, &db)).await.unwrap();
+    let text = common::eventually(Duration::from_secs(20), "five key changes", || async {
+        let (_, text) = common::http_get(running.http_addr, "/metrics").await;
+        (common::metric_sample(&text, "dlu_key_changes_published_total") == Some(5.0))
+            .then_some(text)
+    })
+    .await;
+    assert_eq!(
+        common::metric_sample(
+            &text,
+            "dlu_update_to_key_change_seconds_count{source=\"update\"}"
+        ),
+        Some(5.0),
+        "{text}"
+    );
+    running.stop(Duration::from_secs(10)).await;
+}
+both_backends!(per_update, latency_per_update);

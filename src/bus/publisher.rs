@@ -208,12 +208,15 @@ impl Publisher {
         self.faults.crash_point(Fault::CrashAfterPublish);
         let now = std::time::SystemTime::now();
         for batch in batches {
-            let (source, latency) = match batch.origin {
-                Some((source, at)) => (source, now.duration_since(at).ok()),
-                None => ("table", None),
+            let (source, since): (_, &[std::time::SystemTime]) = match &batch.origin {
+                Some(origin) => (origin.source, &origin.since),
+                None => ("table", &[]),
             };
-            self.metrics
-                .published(batch.events.len(), source, latency.map(|d| d.as_secs_f64()));
+            let seconds = since
+                .iter()
+                .filter_map(|at| now.duration_since(*at).ok())
+                .map(|d| d.as_secs_f64());
+            self.metrics.published(batch.events.len(), source, seconds);
         }
         let ids: Vec<i64> = batches.iter().map(|b| b.id).collect();
         self.store.outbox_delete(&ids).await?;

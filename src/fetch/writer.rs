@@ -126,23 +126,20 @@ async fn write_group(
     group: Vec<Request>,
 ) {
     let items: Vec<FetchedUser> = group.iter().map(|r| r.item.clone()).collect();
-    // Latency is measured from the oldest stale mark of the group.
-    let origin = items
-        .iter()
-        .filter_map(|i| i.stale_at_start.as_ref())
-        .map(|m| m.marked_at_ms)
-        .min()
-        .and_then(|ms| u64::try_from(ms).ok())
-        .map(|ms| {
-            (
-                "fetch",
-                std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms),
-            )
-        });
+    // Latency is measured from each user's stale mark.
+    let origin = crate::store::outbox::Origin {
+        source: "fetch",
+        since: items
+            .iter()
+            .filter_map(|i| i.stale_at_start.as_ref())
+            .filter_map(|m| u64::try_from(m.marked_at_ms).ok())
+            .map(|ms| std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))
+            .collect(),
+    };
     match store.apply_fetches(&items, max_devices, now_ms()).await {
         Ok((outcomes, batch)) => {
             if let Some(mut batch) = batch {
-                batch.origin = origin;
+                batch.origin = Some(origin);
                 outbox.committed(batch).await;
             }
             for (request, outcome) in group.into_iter().zip(outcomes) {

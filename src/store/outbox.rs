@@ -30,9 +30,20 @@ pub struct OutboxBatch {
     pub id: i64,
     /// The events, in the order they are published.
     pub events: Vec<OutboxEvent>,
-    /// Where the batch came from and when its oldest cause entered JetStream,
-    /// for the latency metric (None: read back from the table).
-    pub origin: Option<(&'static str, std::time::SystemTime)>,
+    /// Where the batch came from and when each of its causes began, for the
+    /// latency metric (None: read back from the table).
+    pub origin: Option<Origin>,
+}
+
+/// The causes of a batch's events, for `dlu_update_to_key_change_seconds`:
+/// one observation per cause once the events are in `KEY_CHANGE`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Origin {
+    /// `update` (input messages) or `fetch` (stale marks of fetched users).
+    pub source: &'static str,
+    /// When each cause began: an input message entering JetStream, or a
+    /// user being marked stale.
+    pub since: Vec<std::time::SystemTime>,
 }
 
 impl OutboxEvent {
