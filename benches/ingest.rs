@@ -256,7 +256,7 @@ async fn steady_latency(
     users: usize,
     rate: usize,
     seconds: usize,
-) -> Latencies {
+) -> (Latencies, HistogramView) {
     let js = nats.js().await;
     fresh_streams(&js).await;
     let store = worker::open_store(database_url, Duration::from_secs(10))
@@ -327,8 +327,65 @@ async fn steady_latency(
         }
     })
     .await;
+    let metrics = http_get(running.http_addr, "/metrics").await;
     running.stop(Duration::from_secs(10)).await;
-    Latencies::of(latencies)
+    (
+        Latencies::of(latencies),
+        HistogramView::of(&metrics, "dlu_update_to_key_change_seconds", "update"),
+    )
+}
+
+/// `GET path` over plain HTTP/1.1; the body.
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.expect("read");
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default()
+}
+
+/// What the worker's own latency histogram says: its count and the bucket
+/// bounds its p50 and p99 fall in (Prometheus's view of the same run).
+struct HistogramView {
+    count: u64,
+    p50_le: f64,
+    p99_le: f64,
+}
+
+impl HistogramView {
+    fn of(text: &str, name: &str, source: &str) -> HistogramView {
+        let prefix = format!("{name}_bucket{{source=\"{source}\",le=\"");
+        let buckets: Vec<(f64, u64)> = text
+            .lines()
+            .filter_map(|line| {
+                let rest = line.strip_prefix(&prefix)?;
+                let (le, count) = rest.split_once("\"} ")?;
+                let le = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().ok()?
+                };
+                Some((le, count.trim().parse().ok()?))
+            })
+            .collect();
+        let count = buckets.last().map_or(0, |b| b.1);
+        let at = |q: f64| {
+            buckets
+                .iter()
+                .find(|(_, n)| *n as f64 >= q * count as f64)
+                .map_or(f64::NAN, |b| b.0)
+        };
+        HistogramView {
+            count,
+            p50_le: at(0.50),
+            p99_le: at(0.99),
+        }
+    }
 }
 
 /// A member key (`@` + unpadded URL-safe base64 of 32 bytes) for `n`.
@@ -776,7 +833,7 @@ fn main() {
             let users = env_usize("BENCH_LATENCY_USERS", 5000);
             let rate = env_usize("BENCH_RATE", 5000);
             let seconds = env_usize("BENCH_SECONDS", 10);
-            let run = steady_latency(&nats, &pg_url, users, rate, seconds).await;
+            let (run, histogram) = steady_latency(&nats, &pg_url, users, rate, seconds).await;
             drop_postgres_database(&admin, &pg_name).await;
             println!(
                 "| latency, PostgreSQL: {rate} updates/s for {seconds} s over {users} users × 2 devices, publish → key change p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms | {} | - | - |",
@@ -784,6 +841,10 @@ fn main() {
                 run.p99.as_secs_f64() * 1000.0,
                 run.max.as_secs_f64() * 1000.0,
                 run.count
+            );
+            println!(
+                "| … the worker's dlu_update_to_key_change_seconds{{source=\"update\"}}: p50 ≤ {} s, p99 ≤ {} s (bucket bounds) | {} | - | - |",
+                histogram.p50_le, histogram.p99_le, histogram.count
             );
         }
         if runs("sqlite") {
