@@ -112,8 +112,19 @@ pub struct Settings {
     pub signing_key_path: Option<PathBuf>,
     /// `sqlite://…` or `postgres://…`.
     pub database_url: String,
-    /// NATS server(s), comma-separated.
+    /// NATS server(s), comma-separated; `user:password@` or `token@` in a
+    /// URL authenticate.
     pub nats_url: String,
+    /// A NATS `.creds` file (JWT and NKey seed).
+    pub nats_creds: Option<PathBuf>,
+    /// A file holding an NKey user seed (`SU…`).
+    pub nats_nkey_seed: Option<PathBuf>,
+    /// CA certificate (PEM) to verify the NATS servers; requires TLS.
+    pub nats_tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for NATS mutual TLS (with `nats_tls_key`).
+    pub nats_tls_cert: Option<PathBuf>,
+    /// The client certificate's key (PEM).
+    pub nats_tls_key: Option<PathBuf>,
     /// Health and metrics listener.
     pub http_addr: SocketAddr,
     /// `server=base_url,…`: fixed base URLs for some servers.
@@ -185,6 +196,11 @@ impl Default for Settings {
             signing_key_path: None,
             database_url: "sqlite://device-lists.sqlite?mode=rwc".into(),
             nats_url: "nats://127.0.0.1:4222".into(),
+            nats_creds: None,
+            nats_nkey_seed: None,
+            nats_tls_ca: None,
+            nats_tls_cert: None,
+            nats_tls_key: None,
             http_addr: SocketAddr::from(([127, 0, 0, 1], 9464)),
             federation_overrides: BTreeMap::new(),
             federation_timeout: Duration::from_secs(30),
@@ -256,6 +272,12 @@ impl clap::FromArgMatches for SettingsArgs {
     }
 }
 
+/// A path setting that is set and not empty (an empty environment variable
+/// leaves it unset).
+fn given(path: &Option<PathBuf>) -> Option<&PathBuf> {
+    path.as_ref().filter(|p| !p.as_os_str().is_empty())
+}
+
 /// One line of `--help` per setting; `docs/configuration.md` has the rest.
 /// A unit test checks that every key has one.
 fn describe(key: &str) -> &'static str {
@@ -263,7 +285,12 @@ fn describe(key: &str) -> &'static str {
         "server_name" => "our homeserver's name (required by run)",
         "signing_key_path" => "ed25519 signing key file (required by run)",
         "database_url" => "sqlite://… or postgres://…",
-        "nats_url" => "NATS server(s), comma-separated",
+        "nats_url" => "NATS server(s), comma-separated (user:password@ or token@ authenticate)",
+        "nats_creds" => "NATS .creds file",
+        "nats_nkey_seed" => "file holding a NATS NKey user seed",
+        "nats_tls_ca" => "CA certificate (PEM) of the NATS servers; requires TLS",
+        "nats_tls_cert" => "client certificate (PEM) for NATS mutual TLS",
+        "nats_tls_key" => "key (PEM) of the NATS client certificate",
         "http_addr" => "health and metrics listener",
         "federation_overrides" => "server=base_url,…: fixed base URLs",
         "federation_timeout" => "per federation request",
@@ -381,7 +408,27 @@ impl Settings {
         if !(1..=5).contains(&self.stream_replicas) {
             return invalid("stream_replicas", "must be between 1 and 5");
         }
+        match (given(&self.nats_tls_cert), given(&self.nats_tls_key)) {
+            (Some(_), None) => return invalid("nats_tls_key", "nats_tls_cert needs its key"),
+            (None, Some(_)) => {
+                return invalid("nats_tls_cert", "nats_tls_key needs its certificate");
+            }
+            _ => {}
+        }
         Ok(())
+    }
+
+    /// Where NATS is and the credentials to use there.
+    pub fn nats(&self) -> crate::bus::NatsConnection {
+        crate::bus::NatsConnection {
+            urls: self.nats_url.clone(),
+            creds: given(&self.nats_creds).cloned(),
+            nkey_seed: given(&self.nats_nkey_seed).cloned(),
+            tls_ca: given(&self.nats_tls_ca).cloned(),
+            tls_client: given(&self.nats_tls_cert)
+                .cloned()
+                .zip(given(&self.nats_tls_key).cloned()),
+        }
     }
 
     /// The fault injection asked for (none outside test builds).

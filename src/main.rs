@@ -145,7 +145,7 @@ async fn admin(settings: &Settings, json: bool, command: AdminCommand) -> ExitCo
         AdminCommand::Resync { .. } | AdminCommand::Streams | AdminCommand::ReplayOutbox
     );
     let js = if needs_nats {
-        match device_list_updater::bus::connect(&settings.nats_url, Duration::from_secs(10)).await {
+        match device_list_updater::bus::connect(&settings.nats(), Duration::from_secs(10)).await {
             Ok(client) => Some(async_nats::jetstream::new(client)),
             Err(e) => return fail(2, &e.to_string()),
         }

@@ -11,7 +11,21 @@ const PAUSE: Duration = Duration::from_millis(250);
 
 /// Calls `attempt` until it succeeds or `wait` has passed; returns the last
 /// error then.
-pub async fn retry_within<T, E, F, Fut>(wait: Duration, mut attempt: F) -> Result<T, E>
+pub async fn retry_within<T, E, F, Fut>(wait: Duration, attempt: F) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    retry_within_unless(wait, attempt, |_| false).await
+}
+
+/// [`retry_within`], but an error for which `is_final` holds is returned at
+/// once (waiting cannot mend it, such as refused credentials).
+pub async fn retry_within_unless<T, E, F, Fut>(
+    wait: Duration,
+    mut attempt: F,
+    is_final: impl Fn(&E) -> bool,
+) -> Result<T, E>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, E>>,
@@ -20,7 +34,7 @@ where
     loop {
         match attempt().await {
             Ok(value) => return Ok(value),
-            Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
+            Err(e) if is_final(&e) || tokio::time::Instant::now() >= deadline => return Err(e),
             Err(_) => tokio::time::sleep(PAUSE).await,
         }
     }

@@ -89,7 +89,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         settings,
     } = config;
     let faults = settings.faults();
-    let client = bus::connect(&settings.nats_url, settings.startup_timeout).await?;
+    let client = bus::connect(&settings.nats(), settings.startup_timeout).await?;
     let store = open_store(&settings.database_url, settings.startup_timeout).await?;
     let store = match settings.membership.is_on() {
         true => store.with_membership(server_name.clone()),

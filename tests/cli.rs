@@ -109,6 +109,59 @@ async fn unreachable_nats_exits_2_after_a_bounded_wait() {
     one_line_error(&out, "NATS");
 }
 
+/// NATS refusing our credentials is final: exit 2 at once (not after the
+/// start-up wait), in one line that says so and does not show the secret.
+#[tokio::test]
+async fn wrong_nats_credential_exits_2_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("signing.key");
+    SigningKey::generate().unwrap().write_new(&key).unwrap();
+    let nats = device_list_updater::testkit::Nats::start_with_config(
+        "authorization { user: dlu, password: right-Passw0rd }",
+    )
+    .await;
+    let db = format!(
+        "sqlite://{}?mode=rwc",
+        dir.path().join("db.sqlite").display()
+    );
+    let wrong = "wr0ng-Passw0rd";
+    let url = nats
+        .url
+        .replacen("nats://", &format!("nats://dlu:{wrong}@"), 1);
+    let started = std::time::Instant::now();
+    let out = run(
+        &["run"],
+        &[
+            ("DLU_SERVER_NAME", "our.example"),
+            ("DLU_SIGNING_KEY_PATH", key.to_str().unwrap()),
+            ("DLU_NATS_URL", &url),
+            ("DLU_DATABASE_URL", &db),
+            ("DLU_STARTUP_TIMEOUT", "120s"),
+        ],
+    )
+    .await;
+    one_line_error(&out, "authorization violation");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "gave up at once, not after the start-up wait"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains(wrong), "the password is shown: {stderr}");
+    // A file credential that cannot be read is named, also in one line.
+    let out = run(
+        &["run"],
+        &[
+            ("DLU_SERVER_NAME", "our.example"),
+            ("DLU_SIGNING_KEY_PATH", key.to_str().unwrap()),
+            ("DLU_NATS_URL", &nats.url),
+            ("DLU_NATS_NKEY_SEED", "/nonexistent/user.nk"),
+            ("DLU_DATABASE_URL", &db),
+        ],
+    )
+    .await;
+    one_line_error(&out, "/nonexistent/user.nk");
+}
+
 #[tokio::test]
 async fn generate_key_writes_a_loadable_key_once() {
     let dir = tempfile::tempdir().unwrap();

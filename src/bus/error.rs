@@ -12,6 +12,9 @@ pub enum BusError {
         #[source]
         source: async_nats::ConnectError,
     },
+    /// A NATS credential or TLS file, or a NATS URL, is unusable.
+    #[error("NATS credentials: {0}")]
+    Credentials(String),
     /// A JetStream request failed.
     #[error("{what}: {source}")]
     JetStream {

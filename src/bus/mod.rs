@@ -2,6 +2,7 @@
 //! (SPEC §4), the input lease, dead letters (§4.3), fetch jobs, and the
 //! outbox publisher.
 
+pub mod connect;
 pub(crate) mod dead_letters;
 pub mod error;
 pub(crate) mod fetch_jobs;
@@ -14,6 +15,7 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{PullConsumer, pull};
 use futures::{Stream, StreamExt as _};
 
+pub use connect::{NatsConnection, connect};
 pub use error::BusError;
 
 /// How long past a pull request's expiry the client still waits for it.
@@ -61,21 +63,4 @@ where
             None
         }
     }
-}
-
-/// Connects to NATS, retrying until `wait` has passed. After the first
-/// connection the client reconnects by itself for as long as the process runs.
-pub async fn connect(urls: &str, wait: Duration) -> Result<async_nats::Client, BusError> {
-    crate::startup::retry_within(wait, || {
-        async_nats::ConnectOptions::new()
-            .name("device-list-updater")
-            .max_reconnects(None)
-            .connection_timeout(Duration::from_secs(2))
-            .connect(urls)
-    })
-    .await
-    .map_err(|source| BusError::Connect {
-        urls: urls.to_owned(),
-        source,
-    })
 }

@@ -33,6 +33,8 @@ fn nats_server_bin() -> String {
 pub struct Nats {
     child: Option<Child>,
     dir: tempfile::TempDir,
+    /// A configuration file (authentication, TLS) the server runs with.
+    conf: Option<std::path::PathBuf>,
     /// `nats://127.0.0.1:<port>`.
     pub url: String,
 }
@@ -44,17 +46,46 @@ impl Nats {
         let mut nats = Nats {
             child: None,
             dir,
+            conf: None,
             url: String::new(),
         };
         nats.spawn(-1).await;
         nats
     }
 
+    /// Starts a server with `conf` (nats-server's configuration language:
+    /// `authorization`, `accounts`, `tls`) and waits until it listens. Its
+    /// clients need the credentials `conf` asks for, so [`Nats::client`]
+    /// does not work on it; `url` carries none.
+    pub async fn start_with_config(conf: &str) -> Nats {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("nats.conf");
+        std::fs::write(&path, conf).expect("write nats.conf");
+        let mut nats = Nats {
+            child: None,
+            dir,
+            conf: Some(path),
+            url: String::new(),
+        };
+        nats.spawn(-1).await;
+        nats
+    }
+
+    /// The directory the server's files are in (a test's certificates and
+    /// keys may go there too).
+    pub fn dir(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
     async fn spawn(&mut self, port: i32) {
         let ports_dir = self.dir.path().join("ports");
         let _ = std::fs::remove_dir_all(&ports_dir);
         std::fs::create_dir_all(&ports_dir).expect("ports dir");
-        let child = Command::new(nats_server_bin())
+        let mut command = Command::new(nats_server_bin());
+        if let Some(conf) = &self.conf {
+            command.arg("-c").arg(conf);
+        }
+        let child = command
             .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
             .arg(self.dir.path().join("store"))
             .arg("--ports_file_dir")
@@ -70,14 +101,26 @@ impl Nats {
                 let entry = std::fs::read_dir(&ports_dir).ok()?.flatten().next()?;
                 let text = std::fs::read_to_string(entry.path()).ok()?;
                 let json: serde_json::Value = serde_json::from_str(&text).ok()?;
-                json["nats"][0].as_str().map(str::to_owned)
+                let port = json["nats"][0].as_str()?.rsplit(':').next()?.to_owned();
+                Some(format!("nats://127.0.0.1:{port}"))
             }
         })
         .await;
         self.url = url;
+        let secured = self.conf.is_some();
         wait_for(Duration::from_secs(10), "nats-server accepting", || {
             let url = self.url.clone();
-            async move { async_nats::connect(url).await.ok().map(|_| ()) }
+            async move {
+                if secured {
+                    let address = url.trim_start_matches("nats://").to_owned();
+                    tokio::net::TcpStream::connect(address)
+                        .await
+                        .ok()
+                        .map(|_| ())
+                } else {
+                    async_nats::connect(url).await.ok().map(|_| ())
+                }
+            }
         })
         .await;
     }

@@ -1,0 +1,316 @@
+//! Secured NATS (SPEC §3): TLS with a CA file and a client certificate, and
+//! authentication by user and password, token or NKey seed, against real
+//! nats-servers configured for them. The worker runs with an account whose
+//! permissions allow only what `docs/operations.md` lists, and no secret
+//! shows in its log or on `/metrics`.
+//!
+//! SQLite only: how the worker reaches NATS does not depend on the database.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::{Backend, TestDb};
+use device_list_updater::signing_key::SigningKey;
+use device_list_updater::testkit::Nats;
+use device_list_updater::worker;
+use serde_json::json;
+
+const ALICE: &str = "@alice:remote.example";
+const BOB: &str = "@bob:elsewhere.example";
+const WORKER_PASSWORD: &str = "w0rker-Pa55word";
+
+/// The permissions `docs/operations.md` gives the worker's NATS user.
+const WORKER_PERMISSIONS: &str = r#"{
+    publish: { allow: ["$JS.API.>", "$JS.ACK.>", "$KV.device_list_updater_leases.>",
+                       "key_change.>", "devicelist.dead.>", "devicelist.fetch.>"] },
+    subscribe: { allow: ["_INBOX.>", "devicelist.rpc.>"] },
+    allow_responses: true
+}"#;
+
+/// Runs `openssl` with `args` in `dir`.
+fn openssl(dir: &Path, args: &[&str]) {
+    let status = std::process::Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("openssl is installed");
+    assert!(status.success(), "openssl {args:?}");
+}
+
+/// A CA and, signed by it, a certificate for `name` (`server` for
+/// 127.0.0.1, or `client`), P-256 keys, in `dir`: `ca.pem`, `<name>.pem`,
+/// `<name>.key`.
+fn certificates(dir: &Path) {
+    let curve = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let mut ca = vec!["req", "-x509", "-days", "1", "-subj", "/CN=test CA"];
+    ca.extend(curve);
+    ca.extend(["-keyout", "ca.key", "-out", "ca.pem"]);
+    openssl(dir, &ca);
+    for (name, ext) in [
+        (
+            "server",
+            "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+        ),
+        ("client", "extendedKeyUsage=clientAuth\n"),
+    ] {
+        std::fs::write(dir.join(format!("{name}.ext")), ext).unwrap();
+        let (key, csr, pem, ext) = (
+            format!("{name}.key"),
+            format!("{name}.csr"),
+            format!("{name}.pem"),
+            format!("{name}.ext"),
+        );
+        let mut req = vec!["req", "-subj", "/CN=127.0.0.1"];
+        req.extend(curve);
+        req.extend(["-keyout", &key, "-out", &csr]);
+        openssl(dir, &req);
+        openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-days",
+                "1",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-extfile",
+                &ext,
+                "-out",
+                &pem,
+            ],
+        );
+    }
+}
+
+/// A nats-server with TLS (certificates made in its directory), a
+/// `homeserver` user who may do anything and a `worker` user with
+/// [`WORKER_PERMISSIONS`]. `verify`: clients must show a certificate too.
+async fn secured_server(verify: bool) -> Nats {
+    let certs = tempfile::tempdir().unwrap().keep();
+    certificates(&certs);
+    let conf = format!(
+        r#"
+        tls {{
+            cert_file: "{dir}/server.pem"
+            key_file: "{dir}/server.key"
+            ca_file: "{dir}/ca.pem"
+            verify: {verify}
+        }}
+        authorization {{
+            users = [
+                {{ user: homeserver, password: homeserver-pw }}
+                {{ user: worker, password: "{WORKER_PASSWORD}", permissions: {WORKER_PERMISSIONS} }}
+            ]
+        }}
+        "#,
+        dir = certs.display(),
+    );
+    let nats = Nats::start_with_config(&conf).await;
+    for file in ["ca.pem", "client.pem", "client.key"] {
+        std::fs::copy(certs.join(file), nats.dir().join(file)).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&certs);
+    nats
+}
+
+/// A client of `nats` as the homeserver (full permissions, over TLS).
+async fn homeserver(nats: &Nats) -> async_nats::jetstream::Context {
+    let client = async_nats::ConnectOptions::new()
+        .user_and_password("homeserver".into(), "homeserver-pw".into())
+        .add_root_certificates(nats.dir().join("ca.pem"))
+        .add_client_certificate(nats.dir().join("client.pem"), nats.dir().join("client.key"))
+        .require_tls(true)
+        .connect(&nats.url)
+        .await
+        .expect("the homeserver connects");
+    async_nats::jetstream::new(client)
+}
+
+/// The URL of `nats` with `user:password@` in it.
+fn with_credentials(nats: &Nats, credentials: &str) -> String {
+    nats.url
+        .replacen("nats://", &format!("nats://{credentials}@"), 1)
+}
+
+/// A free loopback port.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap()
+}
+
+/// The worker does its whole job through the restricted account over TLS:
+/// input to a key change, a fetch job, an RPC answer. Its log (at debug)
+/// and `/metrics` never show the password.
+async fn restricted_worker_over_tls(verify: bool) {
+    let nats = secured_server(verify).await;
+    let db = TestDb::new(Backend::Sqlite).await;
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("signing.key");
+    SigningKey::generate().unwrap().write_new(&key).unwrap();
+    let log = dir.path().join("worker.log");
+    // Alice is known up to stream id 0, as after a fetch.
+    let store = worker::open_store(&db.url, Duration::from_secs(10))
+        .await
+        .unwrap();
+    {
+        use sea_orm::{ActiveModelTrait as _, ActiveValue::Set};
+        entity::remote_user::ActiveModel {
+            user_id: Set(ALICE.into()),
+            server_name: Set("remote.example".into()),
+            known_stream_ids: Set("[0]".into()),
+            max_stream_id: Set(0),
+            fetched_stream_id: Set(0),
+        }
+        .insert(store.connection())
+        .await
+        .unwrap();
+    }
+    let port = free_port();
+    let mut command = common::worker_command(&nats, &db, &key);
+    command
+        .env(
+            "DLU_NATS_URL",
+            with_credentials(&nats, &format!("worker:{WORKER_PASSWORD}")),
+        )
+        .env("DLU_NATS_TLS_CA", nats.dir().join("ca.pem"))
+        .env("DLU_HTTP_ADDR", format!("127.0.0.1:{port}"))
+        .env("RUST_LOG", "debug")
+        .stderr(std::fs::File::create(&log).unwrap());
+    if verify {
+        command
+            .env("DLU_NATS_TLS_CERT", nats.dir().join("client.pem"))
+            .env("DLU_NATS_TLS_KEY", nats.dir().join("client.key"));
+    }
+    let mut child = command.spawn().expect("spawn worker");
+    let js = homeserver(&nats).await;
+    common::eventually(
+        Duration::from_secs(30),
+        "the worker's input stream",
+        || async { js.get_stream("DEVICE_LIST_INPUT").await.ok().map(|_| ()) },
+    )
+    .await;
+    // Alice's next update: applied, a key change.
+    let update = json!({"user_id": ALICE, "device_id": "PHONE", "stream_id": 1, "prev_id": [0],
+        "keys": {"user_id": ALICE, "device_id": "PHONE", "algorithms": [],
+                 "keys": {"ed25519:PHONE": "key"}, "signatures": {}}});
+    common::publish(&js, "devicelist.in.update", &update.to_string(), None).await;
+    let changes = common::wait_stream(&js, "KEY_CHANGE", 1).await;
+    assert_eq!(changes[0].header("user_id"), Some(ALICE));
+    // A resync: a fetch job for Bob's server.
+    common::publish(
+        &js,
+        "devicelist.in.resync",
+        &json!({"user_id": BOB}).to_string(),
+        None,
+    )
+    .await;
+    common::eventually(Duration::from_secs(30), "a fetch job", || async {
+        let mut stream = js.get_stream("DEVICE_LIST_FETCH").await.ok()?;
+        let info = stream.info().await.ok()?;
+        (info.state.last_sequence >= 1).then_some(())
+    })
+    .await;
+    let client = async_nats::ConnectOptions::new()
+        .user_and_password("homeserver".into(), "homeserver-pw".into())
+        .add_root_certificates(nats.dir().join("ca.pem"))
+        .add_client_certificate(nats.dir().join("client.pem"), nats.dir().join("client.key"))
+        .require_tls(true)
+        .connect(&nats.url)
+        .await
+        .unwrap();
+    let answer = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.request(
+            "devicelist.rpc.query",
+            json!({"user_ids": [ALICE]}).to_string().into(),
+        ),
+    )
+    .await
+    .expect("the query is answered in time")
+    .expect("the query is answered");
+    let answer: serde_json::Value = serde_json::from_slice(&answer.payload).unwrap();
+    assert!(
+        answer["users"][ALICE]["devices"]["PHONE"].is_object(),
+        "{answer}"
+    );
+    let metrics = common::http_get(([127, 0, 0, 1], port).into(), "/metrics")
+        .await
+        .1;
+    assert!(metrics.contains("dlu_key_changes_published_total"));
+    child.kill().await.unwrap();
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        log.contains("DEBUG") || log.contains("INFO"),
+        "the log was captured: {log}"
+    );
+    for (what, text) in [("log", &log), ("/metrics", &metrics)] {
+        assert!(
+            !text.contains(WORKER_PASSWORD),
+            "the password is in the {what}"
+        );
+    }
+    assert!(
+        !log.contains("Permissions Violation") && !log.contains("permissions violation"),
+        "the worker needed a subject its permissions do not allow:\n{log}"
+    );
+}
+
+#[tokio::test]
+async fn tls_with_user_and_password() {
+    restricted_worker_over_tls(false).await;
+}
+
+#[tokio::test]
+async fn mutual_tls() {
+    restricted_worker_over_tls(true).await;
+}
+
+/// Starts a worker in this process with `settings` changed by `set`, and
+/// waits until it has created its streams.
+async fn worker_starts(nats: &Nats, set: impl FnOnce(&mut device_list_updater::config::Settings)) {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let mut config = common::config(nats, &db);
+    set(&mut config.settings);
+    let running = tokio::time::timeout(Duration::from_secs(30), worker::start(config))
+        .await
+        .expect("starts in time")
+        .expect("the worker connects and starts");
+    running.stop(Duration::from_secs(10)).await;
+}
+
+#[tokio::test]
+async fn token_in_the_url() {
+    let nats = Nats::start_with_config("authorization { token: \"t0ken-s3cret\" }").await;
+    let url = with_credentials(&nats, "t0ken-s3cret");
+    worker_starts(&nats, |settings| settings.nats_url = url).await;
+}
+
+#[tokio::test]
+async fn nkey_seed_file() {
+    let user = nkeys::KeyPair::new_user();
+    let conf = format!(
+        "authorization {{ users = [ {{ nkey: {} }} ] }}",
+        user.public_key()
+    );
+    let nats = Nats::start_with_config(&conf).await;
+    let seed: PathBuf = nats.dir().join("user.nk");
+    std::fs::write(&seed, format!("{}\n", user.seed().unwrap())).unwrap();
+    worker_starts(&nats, |settings| settings.nats_nkey_seed = Some(seed)).await;
+}
