@@ -2,6 +2,7 @@
 //! benchmark and local runs. Not used by the worker itself.
 
 pub mod demo;
+pub mod postgres;
 pub mod remote;
 
 use std::future::Future;
