@@ -44,9 +44,16 @@ pub fn router(health: Health) -> Router {
         .with_state(health)
 }
 
+/// How long `/readyz` waits for the database. With the server gone (not
+/// refusing, gone) a ping would otherwise wait for the pool's whole acquire
+/// timeout, and a probe gives up long before that.
+const READY_PING: std::time::Duration = std::time::Duration::from_secs(2);
+
 async fn ready(State(health): State<Health>) -> (StatusCode, String) {
     let nats = health.nats.connection_state() == async_nats::connection::State::Connected;
-    let db = health.store.ping().await;
+    let db = tokio::time::timeout(READY_PING, health.store.ping())
+        .await
+        .unwrap_or(false);
     let (status, state) = match (nats, db) {
         (true, true) => (StatusCode::OK, "ready"),
         (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "nats unavailable"),

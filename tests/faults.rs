@@ -308,7 +308,8 @@ async fn postgres_stopped_during_a_burst() {
     let stopped = std::time::Instant::now();
     pg.stop_immediate();
     let addr = running.http_addr;
-    wait_for(Duration::from_secs(30), "readyz 503", || async {
+    // Promptly: a probe does not wait for the pool's 30 s acquire timeout.
+    wait_for(Duration::from_secs(10), "readyz 503", || async {
         (common::http_status(addr, "/readyz").await == 503).then_some(())
     })
     .await;
