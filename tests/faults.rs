@@ -309,8 +309,12 @@ async fn postgres_stopped_during_a_burst() {
     pg.stop_immediate();
     let addr = running.http_addr;
     // Promptly: a probe does not wait for the pool's 30 s acquire timeout.
-    wait_for(Duration::from_secs(10), "readyz 503", || async {
-        (common::http_status(addr, "/readyz").await == 503).then_some(())
+    wait_for(Duration::from_secs(10), "readyz 503 within 5 s", || async {
+        let probe = common::http_status(addr, "/readyz");
+        let status = tokio::time::timeout(Duration::from_secs(5), probe)
+            .await
+            .ok()?;
+        (status == 503).then_some(())
     })
     .await;
     let during = stream_len(&js, "KEY_CHANGE").await;
