@@ -316,17 +316,7 @@ async fn steady_latency(
     }
     drop(acks_tx);
     acks.await.expect("acks");
-    let latencies = wait_for(Duration::from_secs(120), "every key change", || {
-        let received = received.clone();
-        let sent = &sent;
-        async move {
-            let received = received.lock().ok()?;
-            sent.iter()
-                .map(|(key, at)| Some(received.get(key)?.duration_since(*at)))
-                .collect::<Option<Vec<Duration>>>()
-        }
-    })
-    .await;
+    let latencies = latencies_once_seen(&received, &sent, Duration::from_secs(120)).await;
     let metrics = http_get(running.http_addr, "/metrics").await;
     running.stop(Duration::from_secs(10)).await;
     (
@@ -602,17 +592,7 @@ async fn room_leave(nats: &Nats, database_url: &str, members: usize) -> (Duratio
     let elapsed = started.elapsed();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let sent = steady.await.expect("steady updates");
-    let latencies = wait_for(Duration::from_secs(60), "the others' key changes", || {
-        let received = received.clone();
-        let sent = &sent;
-        async move {
-            let received = received.lock().ok()?;
-            sent.iter()
-                .map(|(key, at)| Some(received.get(key)?.duration_since(*at)))
-                .collect::<Option<Vec<Duration>>>()
-        }
-    })
-    .await;
+    let latencies = latencies_once_seen(&received, &sent, Duration::from_secs(60)).await;
     let left = entity::shared_user::Entity::find()
         .count(db)
         .await
@@ -683,6 +663,25 @@ async fn key_changes_seen(nats: &Nats) -> Seen {
     // The subscription is registered with the server before any publish.
     client.flush().await.expect("flush");
     seen
+}
+
+/// Waits until every update of `sent` has its key change in `received`;
+/// returns each one's publish → key change time.
+async fn latencies_once_seen(
+    received: &Seen,
+    sent: &[((String, i64), Instant)],
+    within: Duration,
+) -> Vec<Duration> {
+    wait_for(within, "every key change", || {
+        let received = received.clone();
+        async move {
+            let received = received.lock().ok()?;
+            sent.iter()
+                .map(|(key, at)| Some(received.get(key)?.duration_since(*at)))
+                .collect::<Option<Vec<Duration>>>()
+        }
+    })
+    .await
 }
 
 /// Publishes an update every 2 ms, round-robin over the other users, until

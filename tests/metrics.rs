@@ -78,7 +78,6 @@ both_backends!(follow, metrics_follow_the_work);
 /// batch: five updates published before the worker starts (so they are
 /// applied together) are five observations.
 async fn latency_per_update(backend: Backend) {
-    use sea_orm::{ActiveModelTrait as _, ActiveValue::Set};
     let nats = Nats::start().await;
     let db = TestDb::new(backend).await;
     let store = worker::open_store(&db.url, Duration::from_secs(10))
@@ -86,17 +85,7 @@ async fn latency_per_update(backend: Backend) {
         .unwrap();
     let users: Vec<String> = (0..5).map(|n| format!("@user{n}:remote.example")).collect();
     for user in &users {
-        // Known up to stream id 0, as after a fetch.
-        entity::remote_user::ActiveModel {
-            user_id: Set(user.clone()),
-            server_name: Set("remote.example".into()),
-            known_stream_ids: Set("[0]".into()),
-            max_stream_id: Set(0),
-            fetched_stream_id: Set(0),
-        }
-        .insert(store.connection())
-        .await
-        .unwrap();
+        common::known_user(store.connection(), user).await;
     }
     let js = nats.js().await;
     device_list_updater::testkit::create_input_stream(&js).await;

@@ -128,17 +128,17 @@ async fn secured_server(verify: bool) -> Nats {
     nats
 }
 
-/// A client of `nats` as the homeserver (full permissions, over TLS).
-async fn homeserver(nats: &Nats) -> async_nats::jetstream::Context {
-    let client = async_nats::ConnectOptions::new()
+/// A client of `nats` as the homeserver (full permissions, over TLS with a
+/// client certificate).
+async fn homeserver(nats: &Nats) -> async_nats::Client {
+    async_nats::ConnectOptions::new()
         .user_and_password("homeserver".into(), "homeserver-pw".into())
         .add_root_certificates(nats.dir().join("ca.pem"))
         .add_client_certificate(nats.dir().join("client.pem"), nats.dir().join("client.key"))
         .require_tls(true)
         .connect(&nats.url)
         .await
-        .expect("the homeserver connects");
-    async_nats::jetstream::new(client)
+        .expect("the homeserver connects")
 }
 
 /// The URL of `nats` with `user:password@` in it.
@@ -169,19 +169,7 @@ async fn restricted_worker_over_tls(verify: bool) {
     let store = worker::open_store(&db.url, Duration::from_secs(10))
         .await
         .unwrap();
-    {
-        use sea_orm::{ActiveModelTrait as _, ActiveValue::Set};
-        entity::remote_user::ActiveModel {
-            user_id: Set(ALICE.into()),
-            server_name: Set("remote.example".into()),
-            known_stream_ids: Set("[0]".into()),
-            max_stream_id: Set(0),
-            fetched_stream_id: Set(0),
-        }
-        .insert(store.connection())
-        .await
-        .unwrap();
-    }
+    common::known_user(store.connection(), ALICE).await;
     let port = free_port();
     let mut command = common::worker_command(&nats, &db, &key);
     command
@@ -199,7 +187,8 @@ async fn restricted_worker_over_tls(verify: bool) {
             .env("DLU_NATS_TLS_KEY", nats.dir().join("client.key"));
     }
     let mut child = command.spawn().expect("spawn worker");
-    let js = homeserver(&nats).await;
+    let client = homeserver(&nats).await;
+    let js = async_nats::jetstream::new(client.clone());
     common::eventually(
         Duration::from_secs(30),
         "the worker's input stream",
@@ -227,14 +216,6 @@ async fn restricted_worker_over_tls(verify: bool) {
         (info.state.last_sequence >= 1).then_some(())
     })
     .await;
-    let client = async_nats::ConnectOptions::new()
-        .user_and_password("homeserver".into(), "homeserver-pw".into())
-        .add_root_certificates(nats.dir().join("ca.pem"))
-        .add_client_certificate(nats.dir().join("client.pem"), nats.dir().join("client.key"))
-        .require_tls(true)
-        .connect(&nats.url)
-        .await
-        .unwrap();
     let answer = tokio::time::timeout(
         Duration::from_secs(10),
         client.request(

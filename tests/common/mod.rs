@@ -317,3 +317,21 @@ pub async fn leave_in_outbox(db: &sea_orm::DatabaseConnection, user: &str) -> se
     .expect("outbox row");
     payload
 }
+
+/// Stores `user` as known up to stream id 0, as after a fetch: its next
+/// update (stream id 1, `prev_id` [0]) applies and emits a key change.
+#[allow(dead_code)] // each test crate uses a different subset
+pub async fn known_user(db: &sea_orm::DatabaseConnection, user: &str) {
+    use sea_orm::{ActiveModelTrait as _, ActiveValue::Set};
+    let server = user.split_once(':').map(|(_, s)| s).unwrap_or_default();
+    entity::remote_user::ActiveModel {
+        user_id: Set(user.to_owned()),
+        server_name: Set(server.to_owned()),
+        known_stream_ids: Set("[0]".into()),
+        max_stream_id: Set(0),
+        fetched_stream_id: Set(0),
+    }
+    .insert(db)
+    .await
+    .expect("a known user");
+}
