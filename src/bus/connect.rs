@@ -11,8 +11,9 @@ use async_nats::{ConnectErrorKind, ConnectOptions};
 
 use super::BusError;
 
-/// Where NATS is and how to authenticate to it.
-#[derive(Clone, Debug, Default)]
+/// Where NATS is and how to authenticate to it. Its `Debug` shows the URLs
+/// without their credentials.
+#[derive(Clone, Default)]
 pub struct NatsConnection {
     /// Server URL(s), comma-separated; may carry `user:password@` or `token@`.
     pub urls: String,
@@ -36,22 +37,22 @@ enum UrlAuth {
     Token(String),
 }
 
-impl NatsConnection {
-    /// A connection to `urls` without further credentials.
-    pub fn to(urls: &str) -> NatsConnection {
-        NatsConnection {
-            urls: urls.to_owned(),
-            ..NatsConnection::default()
-        }
-    }
-
-    /// The URLs as they may be shown: without user info.
-    pub fn shown(&self) -> String {
-        split_credentials(&self.urls)
+impl std::fmt::Debug for NatsConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let urls = split_credentials(&self.urls)
             .map(|(urls, _)| urls.join(","))
-            .unwrap_or_else(|_| "(unparsable NATS URL)".to_owned())
+            .unwrap_or_else(|_| "(unparsable NATS URL)".to_owned());
+        f.debug_struct("NatsConnection")
+            .field("urls", &urls)
+            .field("creds", &self.creds)
+            .field("nkey_seed", &self.nkey_seed)
+            .field("tls_ca", &self.tls_ca)
+            .field("tls_client", &self.tls_client)
+            .finish()
     }
+}
 
+impl NatsConnection {
     /// The client's options: every credential configured.
     async fn options(&self) -> Result<(Vec<String>, ConnectOptions), BusError> {
         let (urls, url_auth) = split_credentials(&self.urls)?;
@@ -154,6 +155,19 @@ pub async fn connect(
 #[cfg(test)]
 mod tests {
     use super::{UrlAuth, split_credentials};
+
+    #[test]
+    fn debug_shows_no_credentials() {
+        let nats = super::NatsConnection {
+            urls: "nats://dlu:s3cret@a:4222".into(),
+            ..Default::default()
+        };
+        let shown = format!("{nats:?}");
+        assert!(
+            shown.contains("nats://a:4222") && !shown.contains("s3cret"),
+            "{shown}"
+        );
+    }
 
     #[test]
     fn credentials_leave_the_urls() {
