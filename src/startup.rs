@@ -9,18 +9,9 @@ use std::time::Duration;
 /// Pause between two tries.
 const PAUSE: Duration = Duration::from_millis(250);
 
-/// Calls `attempt` until it succeeds or `wait` has passed; returns the last
-/// error then.
-pub async fn retry_within<T, E, F, Fut>(wait: Duration, attempt: F) -> Result<T, E>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, E>>,
-{
-    retry_within_unless(wait, attempt, |_| false).await
-}
-
-/// [`retry_within`], but an error for which `is_final` holds is returned at
-/// once (waiting cannot mend it, such as refused credentials).
+/// Calls `attempt` until it succeeds or `wait` has passed, and returns the
+/// last error then; an error for which `is_final` holds is returned at once
+/// (waiting cannot mend it, such as refused credentials).
 pub async fn retry_within_unless<T, E, F, Fut>(
     wait: Duration,
     mut attempt: F,

@@ -30,6 +30,27 @@ use crate::input::InputMessage;
 use outbox::OutboxBatch;
 use ruma::{OwnedServerName, RoomId, UserId};
 
+/// Whether a failed connection is one that waiting cannot mend: TLS
+/// refused (a certificate that does not verify, or a server without TLS when
+/// `sslmode` requires it), a URL or setting the driver refuses, or the server
+/// refusing who we are (SQLSTATE class 28: a wrong password, no `pg_hba.conf`
+/// entry). A server still starting up (57P03) or not listening yet is not.
+fn refused(error: &DbErr) -> bool {
+    use sea_orm::sqlx::Error;
+    let DbErr::Conn(sea_orm::RuntimeErr::SqlxError(error)) = error else {
+        return false;
+    };
+    match &**error {
+        Error::Tls(_) | Error::Configuration(_) => true,
+        // A handshake the TLS layer refused comes through the socket.
+        Error::Io(e) => e
+            .get_ref()
+            .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some()),
+        Error::Database(e) => e.code().is_some_and(|code| code.starts_with("28")),
+        _ => false,
+    }
+}
+
 /// The wall clock in Unix milliseconds, as every stored time is kept.
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
@@ -155,9 +176,10 @@ impl Store {
         self.own_server.is_some()
     }
 
-    /// Connects, retrying until `wait` has passed.
+    /// Connects, retrying until `wait` has passed; a refusal that waiting
+    /// cannot mend (TLS, the URL, credentials) is returned at once.
     pub async fn connect_within(url: &str, wait: Duration) -> Result<Store, DbErr> {
-        crate::startup::retry_within(wait, || Store::connect(url)).await
+        crate::startup::retry_within_unless(wait, || Store::connect(url), refused).await
     }
 
     /// Applies pending migrations.

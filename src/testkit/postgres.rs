@@ -5,8 +5,13 @@
 //!
 //! PostgreSQL refuses to run as root; when the tests run as root, the
 //! instance runs as the `postgres` system user (`runuser`).
+//!
+//! [`PrivatePostgres::start_with_tls`] gives an instance that takes TCP
+//! connections over TLS only, for the `sslmode` tests.
 
-use std::path::PathBuf;
+use std::io::Write as _;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// A private PostgreSQL server; stopped when dropped.
@@ -45,6 +50,51 @@ fn is_root() -> bool {
 impl PrivatePostgres {
     /// Creates and starts an instance on a free port.
     pub fn start() -> PrivatePostgres {
+        let pg = PrivatePostgres::create();
+        pg.start_again();
+        pg
+    }
+
+    /// Creates and starts an instance that accepts TCP connections only
+    /// over TLS (`ssl = on`, `hostssl` lines alone in `pg_hba.conf`), with
+    /// the server certificate `cert` and its key `key` (PEM files).
+    pub fn start_with_tls(cert: &Path, key: &Path) -> PrivatePostgres {
+        let pg = PrivatePostgres::create();
+        let (server_cert, server_key) = (pg.dir.path().join("server.crt"), pg.dir.path().join("server.key"));
+        std::fs::copy(cert, &server_cert).expect("copy the certificate");
+        std::fs::copy(key, &server_key).expect("copy the key");
+        // PostgreSQL refuses a key others can read.
+        std::fs::set_permissions(&server_key, std::fs::Permissions::from_mode(0o600))
+            .expect("chmod the key");
+        pg.give_to_postgres(&[&server_cert, &server_key]);
+        let data = pg.dir.path().join("data");
+        let mut conf = std::fs::OpenOptions::new()
+            .append(true)
+            .open(data.join("postgresql.conf"))
+            .expect("postgresql.conf");
+        writeln!(
+            conf,
+            "ssl = on\nssl_cert_file = '{}'\nssl_key_file = '{}'",
+            server_cert.display(),
+            server_key.display()
+        )
+        .expect("write postgresql.conf");
+        std::fs::write(
+            data.join("pg_hba.conf"),
+            "local all all trust\nhostssl all all 127.0.0.1/32 trust\n",
+        )
+        .expect("write pg_hba.conf");
+        pg.start_again();
+        pg
+    }
+
+    /// The directory the instance keeps its data, log and files in.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// An instance created (`initdb`) but not started.
+    fn create() -> PrivatePostgres {
         let dir = tempfile::tempdir().expect("temp dir");
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -66,8 +116,20 @@ impl PrivatePostgres {
         }
         let data = pg.data();
         pg.run("initdb", &["-U", "postgres", "--auth=trust", "-D", &data]);
-        pg.start_again();
         pg
+    }
+
+    /// Files the server must own (it runs as `postgres` when we are root).
+    fn give_to_postgres(&self, files: &[&Path]) {
+        if !is_root() {
+            return;
+        }
+        let status = Command::new("chown")
+            .arg("postgres:postgres")
+            .args(files)
+            .status()
+            .expect("chown");
+        assert!(status.success(), "chown {files:?} to postgres");
     }
 
     fn data(&self) -> String {
