@@ -135,7 +135,6 @@ pub async fn connect(
     wait: Duration,
 ) -> Result<async_nats::Client, BusError> {
     let (urls, options) = nats.options().await?;
-    let urls = urls.join(",");
     crate::startup::retry_within_unless(
         wait,
         || {
@@ -144,12 +143,17 @@ pub async fn connect(
                 .name("device-list-updater")
                 .max_reconnects(None)
                 .connection_timeout(Duration::from_secs(2))
-                .connect(urls.as_str())
+                // Each URL its own server: async-nats parses a single
+                // string as one URL, so a joined list would not parse.
+                .connect(&urls)
         },
         refused,
     )
     .await
-    .map_err(|source| BusError::Connect { urls, source })
+    .map_err(|source| BusError::Connect {
+        urls: urls.join(","),
+        source,
+    })
 }
 
 #[cfg(test)]

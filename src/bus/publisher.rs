@@ -34,8 +34,12 @@ const QUEUE: usize = 256;
 const MAX_BATCHES_PER_ROUND: usize = 256;
 /// How often the table is read even when nothing failed.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
-/// Longest pause between tries after a failure.
-const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
+/// Longest pause between tries after a failure. A try is one read of the
+/// table and publishes that fail at once while `KEY_CHANGE` has no leader
+/// (no responders), so a short cap costs little and lets publishing resume
+/// within a second of a new leader (measured in tests/cluster.rs: with 5 s,
+/// up to 3 s passed between the leader's return and the next try).
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(1);
 
 /// Why events could not be published (they stay in the table).
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,7 @@
 //! Test kit: starts a private nats-server with JetStream, for the tests, the
 //! benchmark and local runs. Not used by the worker itself.
 
+pub mod cluster;
 pub mod demo;
 pub mod postgres;
 pub mod remote;

@@ -60,7 +60,10 @@ impl PrivatePostgres {
     /// the server certificate `cert` and its key `key` (PEM files).
     pub fn start_with_tls(cert: &Path, key: &Path) -> PrivatePostgres {
         let pg = PrivatePostgres::create();
-        let (server_cert, server_key) = (pg.dir.path().join("server.crt"), pg.dir.path().join("server.key"));
+        let (server_cert, server_key) = (
+            pg.dir.path().join("server.crt"),
+            pg.dir.path().join("server.key"),
+        );
         std::fs::copy(cert, &server_cert).expect("copy the certificate");
         std::fs::copy(key, &server_key).expect("copy the key");
         // PostgreSQL refuses a key others can read.

@@ -10,6 +10,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use device_list_updater::config::Config;
 
+pub mod burst;
 pub mod certs;
 pub mod fetch_env;
 
