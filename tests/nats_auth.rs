@@ -1,5 +1,6 @@
 //! Secured NATS (SPEC §3): TLS with a CA file and a client certificate, and
-//! authentication by user and password, token or NKey seed, against real
+//! authentication by user and password, token, NKey seed or `.creds` file
+//! (decentralised JWT auth, operator mode), against real
 //! nats-servers configured for them. The worker runs with an account whose
 //! permissions allow only what `docs/operations.md` lists, and no secret
 //! shows in its log or on `/metrics`.
@@ -227,4 +228,84 @@ async fn nkey_seed_file() {
     let seed: PathBuf = nats.dir().join("user.nk");
     std::fs::write(&seed, format!("{}\n", user.seed().unwrap())).unwrap();
     worker_starts(&nats, |settings| settings.nats_nkey_seed = Some(seed)).await;
+}
+
+/// A NATS JWT (`ed25519-nkey`): `claims` with `iss`, `sub` and `iat`
+/// added, signed by `issuer`. What `nsc` writes; made here because the
+/// machine has no `nsc`.
+fn nats_jwt(issuer: &nkeys::KeyPair, subject: &str, mut claims: serde_json::Value) -> String {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    claims["iss"] = issuer.public_key().into();
+    claims["sub"] = subject.into();
+    claims["iat"] = 1_700_000_000.into();
+    claims["jti"] = format!("TEST{subject}").into();
+    let header = b64.encode(r#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let body = b64.encode(claims.to_string());
+    let signed = format!("{header}.{body}");
+    let signature = issuer.sign(signed.as_bytes()).expect("sign");
+    format!("{signed}.{}", b64.encode(signature))
+}
+
+/// Decentralised auth: a nats-server in operator mode (its operator JWT, one
+/// account preloaded with JetStream), and the worker with a `.creds` file of
+/// a user of that account: it starts (creates its streams, consumers and
+/// lease bucket through it); without the file it is refused.
+#[tokio::test]
+async fn creds_file() {
+    let operator = nkeys::KeyPair::new_operator();
+    let account = nkeys::KeyPair::new_account();
+    let user = nkeys::KeyPair::new_user();
+    let operator_jwt = nats_jwt(
+        &operator,
+        &operator.public_key(),
+        json!({"name": "test operator", "nats": {"type": "operator", "version": 2}}),
+    );
+    let unlimited = json!({"subs": -1, "data": -1, "payload": -1, "imports": -1,
+        "exports": -1, "wildcards": true, "conn": -1, "leaf": -1,
+        "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1});
+    let account_jwt = nats_jwt(
+        &operator,
+        &account.public_key(),
+        json!({"name": "device lists", "nats": {"limits": unlimited, "type": "account", "version": 2}}),
+    );
+    let user_jwt = nats_jwt(
+        &account,
+        &user.public_key(),
+        json!({"name": "worker", "nats": {"pub": {}, "sub": {}, "subs": -1, "data": -1,
+            "payload": -1, "type": "user", "version": 2}}),
+    );
+    // JetStream needs a system account in operator mode.
+    let system = nkeys::KeyPair::new_account();
+    let system_jwt = nats_jwt(
+        &operator,
+        &system.public_key(),
+        json!({"name": "SYS", "nats": {"type": "account", "version": 2}}),
+    );
+    let conf = format!(
+        "operator: \"{operator_jwt}\"\nsystem_account: {sys}\nresolver: MEMORY\n\
+         resolver_preload: {{ {acc}: \"{account_jwt}\", {sys}: \"{system_jwt}\" }}\n",
+        sys = system.public_key(),
+        acc = account.public_key()
+    );
+    let nats = Nats::start_with_config(&conf).await;
+    let creds: PathBuf = nats.dir().join("worker.creds");
+    std::fs::write(
+        &creds,
+        format!(
+            "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+             -----BEGIN USER NKEY SEED-----\n{}\n------END USER NKEY SEED------\n",
+            user.seed().unwrap()
+        ),
+    )
+    .unwrap();
+    worker_starts(&nats, |settings| settings.nats_creds = Some(creds.clone())).await;
+    // Without the file the server refuses the worker.
+    let db = TestDb::new(Backend::Sqlite).await;
+    let mut config = common::config(&nats, &db);
+    config.settings.startup_timeout = Duration::from_secs(30);
+    let refused = tokio::time::timeout(Duration::from_secs(20), worker::start(config))
+        .await
+        .expect("refused at once, not after the start-up wait");
+    assert!(refused.is_err(), "a worker without credentials started");
 }
