@@ -14,11 +14,11 @@ use tokio::sync::oneshot;
 use crate::shutdown::Shutdown;
 use tracing::Instrument as _;
 
-use crate::bus::BusError;
 use crate::bus::dead_letters::{self, DeadLetter};
 use crate::bus::fetch_jobs;
 use crate::bus::lease::Lease;
 use crate::bus::publisher::OutboxHandle;
+use crate::bus::{BusError, Pulled};
 use crate::decide::Outcome;
 use crate::faults::{Fault, Faults};
 use crate::input::{self, DeadReason, InputMessage, InputSubjects, Parsed, Rejection};
@@ -71,6 +71,15 @@ pub struct Ingest {
     pub sweeps: std::sync::Arc<tokio::sync::Notify>,
 }
 
+/// How a pull request ended.
+#[derive(Debug, PartialEq, Eq)]
+enum PullEnd {
+    /// Complete, or refused before it started.
+    Over,
+    /// Vanished or broken: some of what it sent may never have arrived.
+    Lost,
+}
+
 /// What a batch's writes did: its plans (one for the batch, or one per
 /// message when applied one by one), and for each outcome of those plans in
 /// order, the place in the batch's accepted messages of the one it is about.
@@ -107,7 +116,13 @@ impl Ingest {
             self.wait_for_in_flight(&consumer, &shutdown).await;
             let mut pipeline = Pipeline::default();
             while !shutdown.is_requested() && !lease.is_lost() {
-                self.pull_once(&consumer, &shutdown, &mut pipeline).await;
+                if self.pull_once(&consumer, &shutdown, &mut pipeline).await == PullEnd::Lost {
+                    // What the lost pull sent and we never read comes back
+                    // only after the ack wait; newer messages must not
+                    // overtake it (per-user order), as after a takeover.
+                    pipeline.finish().await;
+                    self.wait_for_in_flight(&consumer, &shutdown).await;
+                }
             }
             pipeline.finish().await;
             lease.release().await;
@@ -129,7 +144,7 @@ impl Ingest {
     }
 
     /// One pull request: hands what it delivers to `pipeline`, in chunks as
-    /// it arrives, until it is complete or expires. The last chunk may still
+    /// it arrives, until it is complete or expires, and says how it ended. The last chunk may still
     /// be in flight when this returns, so the next pull overlaps it; the
     /// caller finishes the pipeline before it lets go of the stream.
     async fn pull_once(
@@ -137,20 +152,23 @@ impl Ingest {
         consumer: &PullConsumer,
         shutdown: &Shutdown,
         pipeline: &mut Pipeline,
-    ) {
+    ) -> PullEnd {
         let Some(mut pull) =
             crate::bus::start_pull(consumer, self.batch_size, PULL_EXPIRY, "input").await
         else {
-            return;
+            return PullEnd::Over;
         };
         loop {
-            let first = match crate::bus::next_of_pull(&mut pull, PULL_EXPIRY).await {
-                Some(Ok(message)) => message,
-                Some(Err(e)) => {
-                    tracing::debug!(error = %e, "input pull ended with an error");
-                    break;
+            let first = match crate::bus::next_or_lost(&mut pull, PULL_EXPIRY).await {
+                Pulled::Item(Ok(message)) => message,
+                Pulled::Item(Err(e)) => {
+                    // A broken pull may have lost messages on the way, as a
+                    // vanished one does.
+                    tracing::info!(error = %e, "input pull ended with an error");
+                    return PullEnd::Lost;
                 }
-                None => break,
+                Pulled::Over => return PullEnd::Over,
+                Pulled::Lost => return PullEnd::Lost,
             };
             let chunk = gather(first, &mut pull, self.batch_size, pipeline).await;
             pipeline.push(self, chunk, shutdown).await;

@@ -49,18 +49,43 @@ pub async fn start_pull(
     }
 }
 
-/// The next item of a pull request that expires after `expiry`, or None
-/// when the pull is over or presumed lost. Items already received are
-/// returned at once, so giving up never drops a delivered message.
-pub async fn next_of_pull<S, T>(pull: &mut S, expiry: Duration) -> Option<T>
+/// What waiting on a pull request gave.
+pub enum Pulled<T> {
+    /// The next item.
+    Item(T),
+    /// The pull is over: everything it delivered was received.
+    Over,
+    /// The pull outlived its expiry: the server that held it is gone (a
+    /// restart, a lost node, a new consumer leader). Messages it sent that
+    /// never arrived stay unacked until the ack wait, and are redelivered
+    /// only then.
+    Lost,
+}
+
+/// The next item of a pull request that expires after `expiry`. Items
+/// already received are returned at once, so giving up never drops a
+/// delivered message.
+pub async fn next_or_lost<S, T>(pull: &mut S, expiry: Duration) -> Pulled<T>
 where
     S: Stream<Item = T> + Unpin,
 {
     match tokio::time::timeout(expiry + PULL_GRACE, pull.next()).await {
-        Ok(item) => item,
+        Ok(Some(item)) => Pulled::Item(item),
+        Ok(None) => Pulled::Over,
         Err(_) => {
             tracing::info!("a pull request outlived its expiry; starting a new one");
-            None
+            Pulled::Lost
         }
+    }
+}
+
+/// [`next_or_lost`], for callers to whom a lost pull is just over.
+pub async fn next_of_pull<S, T>(pull: &mut S, expiry: Duration) -> Option<T>
+where
+    S: Stream<Item = T> + Unpin,
+{
+    match next_or_lost(pull, expiry).await {
+        Pulled::Item(item) => Some(item),
+        Pulled::Over | Pulled::Lost => None,
     }
 }
