@@ -32,23 +32,6 @@ use serde_json::json;
 /// Stale users marked at each kill, so fetches are pending when it hits.
 const STALE_PER_KILL: usize = 20;
 
-/// Creates `DEVICE_LIST_INPUT` with three replicas, as the homeserver
-/// would on a cluster (the worker never changes a stream it finds).
-async fn create_replicated_input_stream(js: &jetstream::Context) {
-    wait_for(Duration::from_secs(30), "the input stream", || async {
-        js.get_or_create_stream(jetstream::stream::Config {
-            name: "DEVICE_LIST_INPUT".into(),
-            subjects: vec!["devicelist.in.>".into()],
-            num_replicas: 3,
-            ..Default::default()
-        })
-        .await
-        .ok()
-        .map(|_| ())
-    })
-    .await;
-}
-
 /// Marks `STALE_PER_KILL` new users of the mocked servers stale (each has
 /// one list to give), so their fetches run while the next fault hits.
 async fn mark_new_users_stale(
@@ -144,7 +127,7 @@ async fn leaders_killed_during_a_burst() {
     let mut cluster = NatsCluster::start(3).await;
     let db = TestDb::new(Backend::Postgres).await;
     let js = cluster.js().await;
-    create_replicated_input_stream(&js).await;
+    cluster.create_input_stream(&js).await;
     seed(&db.url).await;
     // Held back: each kill comes right after a part is published, so the
     // worker is busy with it when the node goes.

@@ -29,8 +29,6 @@ use device_list_updater::signing_key::SigningKey;
 use device_list_updater::testkit::cluster::NatsCluster;
 use device_list_updater::testkit::postgres::PrivatePostgres;
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
-use device_list_updater::testkit::{stream_len, wait_for};
-use futures::StreamExt as _;
 use sea_orm::{EntityTrait as _, PaginatorTrait as _};
 use serde_json::json;
 use tokio::process::Child;
@@ -223,32 +221,13 @@ async fn one_fault(
 }
 
 /// Every key change in `KEY_CHANGE`: (user, device, stream id) of each, and
-/// whether any `Nats-Msg-Id` came twice.
+/// how many `Nats-Msg-Id`s came twice.
 async fn read_key_changes(js: &jetstream::Context) -> (Vec<(String, String, i64)>, usize) {
-    let total = stream_len(js, "KEY_CHANGE").await;
-    let stream = js.get_stream("KEY_CHANGE").await.expect("KEY_CHANGE");
-    let consumer = stream
-        .create_consumer(jetstream::consumer::pull::OrderedConfig::default())
-        .await
-        .expect("consumer");
-    let mut messages = consumer.messages().await.expect("messages");
-    let mut changes = Vec::new();
     let mut ids = HashSet::new();
     let mut repeated_ids = 0;
-    for _ in 0..total {
-        let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
-            .await
-            .expect("read in time")
-            .expect("a message")
-            .expect("readable");
-        let body: serde_json::Value = serde_json::from_slice(&message.payload).expect("json");
-        let id = message
-            .headers
-            .as_ref()
-            .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
-            .map(|v| v.to_string())
-            .unwrap_or_default();
-        if !ids.insert(id) {
+    let mut changes = Vec::new();
+    for (body, id) in common::burst::read_key_changes(js).await {
+        if !ids.insert(id.unwrap_or_default()) {
             repeated_ids += 1;
         }
         changes.push((
@@ -283,18 +262,7 @@ async fn soak() {
 
     let mut cluster = NatsCluster::start(3).await;
     let js = cluster.js().await;
-    wait_for(Duration::from_secs(30), "the input stream", || async {
-        js.get_or_create_stream(jetstream::stream::Config {
-            name: "DEVICE_LIST_INPUT".into(),
-            subjects: vec!["devicelist.in.>".into()],
-            num_replicas: 3,
-            ..Default::default()
-        })
-        .await
-        .ok()
-        .map(|_| ())
-    })
-    .await;
+    cluster.create_input_stream(&js).await;
     let pg = PrivatePostgres::start();
     let store = device_list_updater::worker::open_store(&pg.url, Duration::from_secs(30))
         .await

@@ -77,6 +77,24 @@ impl NatsCluster {
         jetstream::new(client)
     }
 
+    /// Creates `DEVICE_LIST_INPUT` with a replica on every node, as the
+    /// homeserver would on a cluster (the worker never changes a stream it
+    /// finds); retried while the cluster is still placing streams.
+    pub async fn create_input_stream(&self, js: &jetstream::Context) {
+        wait_for(Duration::from_secs(30), "the input stream", || async {
+            js.get_or_create_stream(jetstream::stream::Config {
+                name: "DEVICE_LIST_INPUT".into(),
+                subjects: vec!["devicelist.in.>".into()],
+                num_replicas: self.nodes.len(),
+                ..Default::default()
+            })
+            .await
+            .ok()
+            .map(|_| ())
+        })
+        .await;
+    }
+
     /// The index of the node leading `stream`, once it has a leader.
     pub async fn leader_of(&self, js: &jetstream::Context, stream: &str) -> usize {
         wait_for(Duration::from_secs(30), "a stream leader", || async {

@@ -122,23 +122,10 @@ pub async fn assert_all_reflected_once(js: &jetstream::Context, db: &sea_orm::Da
     })
     .await;
     // distinct (user, stream id) pairs: exactly once each
-    let stream = js.get_stream("KEY_CHANGE").await.expect("stream");
-    let consumer = stream
-        .create_consumer(jetstream::consumer::pull::OrderedConfig::default())
-        .await
-        .expect("consumer");
-    let mut messages = consumer.messages().await.expect("messages");
     let mut seen = HashSet::new();
     let mut ids = HashSet::new();
     let mut fetched = 0;
-    let total = stream_len(js, "KEY_CHANGE").await;
-    for _ in 0..total {
-        let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
-            .await
-            .expect("read in time")
-            .expect("a message")
-            .expect("readable");
-        let body: serde_json::Value = serde_json::from_slice(&message.payload).expect("json");
+    for (body, id) in read_key_changes(js).await {
         let key = (
             body["user_id"].as_str().unwrap_or_default().to_owned(),
             body["stream_id"].as_i64().unwrap_or_default(),
@@ -147,15 +134,40 @@ pub async fn assert_all_reflected_once(js: &jetstream::Context, db: &sea_orm::Da
         if !key.0.starts_with("@burst") {
             fetched += 1;
         }
+        assert!(
+            ids.insert(id.expect("Nats-Msg-Id")),
+            "duplicate Nats-Msg-Id"
+        );
+    }
+    assert_eq!(seen.len() - fetched, TOTAL, "one key change per update");
+}
+
+/// Every key change in `KEY_CHANGE`, in order, through an ordered consumer
+/// (fast at volume): its body, and its `Nats-Msg-Id` if it has one.
+pub async fn read_key_changes(js: &jetstream::Context) -> Vec<(serde_json::Value, Option<String>)> {
+    let total = stream_len(js, "KEY_CHANGE").await;
+    let stream = js.get_stream("KEY_CHANGE").await.expect("stream");
+    let consumer = stream
+        .create_consumer(jetstream::consumer::pull::OrderedConfig::default())
+        .await
+        .expect("consumer");
+    let mut messages = consumer.messages().await.expect("messages");
+    let mut changes = Vec::new();
+    for _ in 0..total {
+        let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
+            .await
+            .expect("read in time")
+            .expect("a message")
+            .expect("readable");
+        let body: serde_json::Value = serde_json::from_slice(&message.payload).expect("json");
         let id = message
             .headers
             .as_ref()
-            .and_then(|h| h.get("Nats-Msg-Id"))
-            .map(|v| v.to_string())
-            .expect("Nats-Msg-Id");
-        assert!(ids.insert(id), "duplicate Nats-Msg-Id");
+            .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+            .map(|v| v.to_string());
+        changes.push((body, id));
     }
-    assert_eq!(seen.len() - fetched, TOTAL, "one key change per update");
+    changes
 }
 
 /// Starts an in-process worker with `config` (small batches, so the burst
