@@ -118,6 +118,28 @@ pub async fn publish(js: &jetstream::Context, subject: &str, body: &str, origin:
         .expect("publish ack");
 }
 
+/// Message `seq` of `stream`, or None if it was deleted. Any other error is
+/// retried, then fails the test: a read that skipped messages on an error
+/// would let checks over the stream pass on nothing.
+async fn raw_message(
+    stream: &jetstream::stream::Stream,
+    seq: u64,
+) -> Option<jetstream::message::StreamMessage> {
+    use jetstream::stream::RawMessageErrorKind;
+    let mut attempts = 0;
+    loop {
+        match stream.get_raw_message(seq).await {
+            Ok(message) => return Some(message),
+            Err(err) if err.kind() == RawMessageErrorKind::NoMessageFound => return None,
+            Err(err) if attempts < 3 => {
+                attempts += 1;
+                eprintln!("reading message {seq} again after: {err}");
+            }
+            Err(err) => panic!("message {seq} of the stream could not be read: {err}"),
+        }
+    }
+}
+
 /// A message read back from a stream.
 #[derive(Debug, Clone)]
 pub struct Stored {
@@ -155,7 +177,7 @@ pub async fn read_stream(js: &jetstream::Context, stream: &str) -> Vec<Stored> {
         return out;
     }
     for seq in first..=last {
-        let Ok(message) = s.get_raw_message(seq).await else {
+        let Some(message) = raw_message(&s, seq).await else {
             continue;
         };
         let headers: Vec<(String, String)> = message
