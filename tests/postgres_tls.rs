@@ -2,7 +2,7 @@
 //! `DLU_DATABASE_URL`), against a private PostgreSQL instance that takes TCP
 //! connections over TLS only: `verify-full` with the CA file carries the
 //! whole update → key change path, `require` connects without checking the
-//! certificate, and a certificate that does not verify or a connection
+//! certificate, no `sslmode` means no TLS, and a certificate that does not verify or a connection
 //! without TLS ends the start-up at once with one line (exit 2).
 
 mod common;
@@ -84,6 +84,18 @@ async fn require_encrypts_without_a_ca_file() {
         .await
         .expect("connects and migrates over TLS");
     assert!(over_tls(store.connection()).await);
+}
+
+/// Without `sslmode` the connection is not encrypted, even where the server
+/// offers TLS (libpq's default would be `prefer`; see `Store::connect`):
+/// this instance takes TCP connections only over TLS, so it refuses us.
+#[tokio::test]
+async fn no_sslmode_means_no_tls() {
+    let (_certs, pg) = tls_instance();
+    let error = device_list_updater::store::Store::connect(&pg.url)
+        .await
+        .expect_err("no TLS attempted, so no pg_hba.conf line matches");
+    assert!(error.to_string().contains("pg_hba.conf"), "{error}");
 }
 
 /// `device-list-updater run` against `database_url` (NATS is up); its output.
