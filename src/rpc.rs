@@ -219,7 +219,18 @@ impl Rpc {
     }
 
     async fn resync_user(&self, user: &OwnedUserId) -> Result<(), ResyncError> {
-        resync::request(&self.store, &self.js, user).await?;
+        // The request runs in a task of its own: the stale mark and the job
+        // must be stored even when the reply's timeout passes first (a slow
+        // database), or the reply would say "not synced" of a user nobody
+        // fetches. Dropping the handle on timeout does not cancel the task.
+        let requested = {
+            let (store, js, user) = (self.store.clone(), self.js.clone(), user.clone());
+            tokio::spawn(async move { resync::request(&store, &js, &user).await })
+        };
+        match requested.await {
+            Ok(result) => result?,
+            Err(e) => return Err(ResyncError::Interrupted(e.to_string())),
+        }
         self.wakeups.note(user.server_name(), false);
         // The fetch may run on any replica, so the database is the place to
         // watch. Checks start fast and slow down to 4 per second.

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use common::{Backend, Nats, TestDb};
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_keys, device_list};
+use device_list_updater::testkit::wait_for;
 use device_list_updater::worker::{self, Running};
 use serde_json::{Value, json};
 
@@ -49,6 +50,25 @@ impl Env {
         .expect("request");
         common::assert_names_no_member_key(&reply.payload);
         serde_json::from_slice(&reply.payload).expect("JSON reply")
+    }
+
+    /// Waits until `user` is tracked and stale (the mark may be committed
+    /// after a timed-out reply) and its server has been asked for it.
+    async fn wait_stale_and_asked(&self, user: &str) {
+        wait_for(Duration::from_secs(10), "the user stale", || async {
+            let query = self
+                .request("devicelist.rpc.query", json!({"user_ids": [user]}))
+                .await;
+            let view = &query["users"][user];
+            (view["stale"] == true && view["tracked"] == true).then_some(())
+        })
+        .await;
+        wait_for(
+            Duration::from_secs(10),
+            "a request for the user",
+            || async { (self.fleet.requests(user) >= 1).then_some(()) },
+        )
+        .await;
     }
 }
 
@@ -108,13 +128,29 @@ async fn resync_times_out_on_a_hanging_server(backend: Backend) {
         took >= Duration::from_millis(500),
         "replied before the timeout: {took:?}"
     );
-    let query = env
-        .request("devicelist.rpc.query", json!({"user_ids": [HANGS]}))
-        .await;
-    assert_eq!(query["users"][HANGS]["stale"], true);
-    assert_eq!(query["users"][HANGS]["tracked"], true);
+    env.wait_stale_and_asked(HANGS).await;
 }
 both_backends!(resync_timeout, resync_times_out_on_a_hanging_server);
+
+/// A timeout shorter than the stale mark's own write: the reply comes at
+/// once, and the mark and the fetch happen all the same (SPEC §4.4: the
+/// resync marks the user stale and fetches; only the reply is bounded).
+async fn resync_marks_stale_even_when_the_reply_times_out_first(backend: Backend) {
+    let env = Env::start(backend).await;
+    env.fleet.script(HANGS, vec![Reply::Hang]);
+    let reply = env
+        .request(
+            "devicelist.rpc.resync",
+            json!({"user_id": HANGS, "timeout_ms": 1}),
+        )
+        .await;
+    assert_eq!(reply["synced"], false, "{reply}");
+    env.wait_stale_and_asked(HANGS).await;
+}
+both_backends!(
+    resync_timeout_shorter_than_the_mark,
+    resync_marks_stale_even_when_the_reply_times_out_first
+);
 
 async fn bad_requests_get_an_error(backend: Backend) {
     let env = Env::start(backend).await;

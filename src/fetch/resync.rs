@@ -19,6 +19,10 @@ pub enum ResyncError {
     /// rescan finds it).
     #[error(transparent)]
     Bus(#[from] BusError),
+    /// The task storing the request ended without an answer (it panicked
+    /// or the runtime is shutting down).
+    #[error("the resync request was interrupted: {0}")]
+    Interrupted(String),
 }
 
 /// Marks `user` stale and enqueues its server's job; a worker fetches it.
