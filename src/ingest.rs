@@ -69,6 +69,9 @@ pub struct Ingest {
     pub member_keys: bool,
     /// Told when a batch leaves a room to sweep.
     pub sweeps: std::sync::Arc<tokio::sync::Notify>,
+    /// Told after each batch whether ingest is behind (see `behind`), so
+    /// the fan-out gives way meanwhile.
+    pub backlog: crate::fetch::give_way::IngestBacklog,
 }
 
 /// How a pull request ended.
@@ -153,6 +156,7 @@ impl Ingest {
         shutdown: &Shutdown,
         pipeline: &mut Pipeline,
     ) -> PullEnd {
+        let connects = self.connects();
         let Some(mut pull) =
             crate::bus::start_pull(consumer, self.batch_size, PULL_EXPIRY, "input").await
         else {
@@ -167,12 +171,43 @@ impl Ingest {
                     tracing::info!(error = %e, "input pull ended with an error");
                     return PullEnd::Lost;
                 }
+                // A pull across a reconnect may have lost messages on the
+                // way even when it ends as if complete: async-nats ends a
+                // pull the server forgot on a timer of its own (the expiry
+                // plus 5 s from the pull's start), which can come before
+                // `next_or_lost` gives up (found by `tests/faults.rs`,
+                // NATS restarted during a burst).
+                Pulled::Over if self.connects() != connects => return PullEnd::Lost,
                 Pulled::Over => return PullEnd::Over,
                 Pulled::Lost => return PullEnd::Lost,
             };
             let chunk = gather(first, &mut pull, self.batch_size, pipeline).await;
+            self.backlog.note_batch(self.behind(&chunk));
             pipeline.push(self, chunk, shutdown).await;
         }
+    }
+
+    /// How many times the NATS client has connected so far (reconnects
+    /// included).
+    fn connects(&self) -> u64 {
+        self.js
+            .client()
+            .statistics()
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether more input waits than one batch holds: the batch is full, or
+    /// JetStream's count of messages pending after its last one (carried in
+    /// every delivery's reply subject) is a batch or more.
+    fn behind(&self, chunk: &[Message]) -> bool {
+        chunk.len() >= self.batch_size
+            || chunk
+                .last()
+                .and_then(|m| m.info().ok())
+                .is_some_and(|info| {
+                    usize::try_from(info.pending).unwrap_or(usize::MAX) >= self.batch_size
+                })
     }
 
     /// Processes one batch; every message is acked or naked when this returns.

@@ -14,6 +14,7 @@ use crate::bus::publisher::Publisher;
 use crate::bus::{self, BusError, fetch_jobs, lease, streams};
 use crate::config::Config;
 use crate::fetch::federation::{ClientError, FederationClient, FederationSettings};
+use crate::fetch::give_way::IngestBacklog;
 use crate::fetch::jobs::Fetcher;
 use crate::fetch::retry::RetryPolicy;
 use crate::fetch::wake::Wakeups;
@@ -159,6 +160,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     // Ends once the fetcher (its last handle) has stopped and what it
     // handed over is stored.
     tasks.spawn(writer_task);
+    let backlog = IngestBacklog::new(settings.fetch_concurrency);
     let fetcher = Fetcher {
         js: js.clone(),
         store: store.clone(),
@@ -171,6 +173,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         writer,
         ack_wait: settings.ack_wait,
         metrics: metrics.clone(),
+        backlog: backlog.clone(),
     };
     tasks.spawn(fetcher.run(fetch_consumer, shutdown.clone()));
     let wakeups = Wakeups::default();
@@ -224,6 +227,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         membership: settings.membership.is_on(),
         member_keys: settings.msc4430.is_on(),
         sweeps,
+        backlog,
     };
     for (stream, consumer) in consumers {
         tasks.spawn(ingest.clone().run(stream, consumer, shutdown.clone()));

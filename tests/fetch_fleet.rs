@@ -11,6 +11,7 @@ use common::{Backend, Nats, TestDb, read_stream};
 use device_list_updater::signing_key::SigningKey;
 use device_list_updater::store::Store;
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
+use device_list_updater::testkit::{create_input_stream, input_consumer_info};
 use device_list_updater::worker;
 use entity::stale_user;
 use sea_orm::{EntityTrait, PaginatorTrait};
@@ -87,6 +88,74 @@ async fn one_request_per_server(backend: Backend) {
     second.stop(Duration::from_secs(10)).await;
 }
 both_backends!(exclusive, one_request_per_server);
+
+/// While ingest is behind, the fan-out gives way (docs/design.md): with the
+/// tests' `DLU_FETCH_CONCURRENCY` of 64, one job at a time. Ten users on ten
+/// servers answering in 300 ms are marked stale ahead of 40,000 membership
+/// messages (acked and ignored: membership is off); while thousands of
+/// those still wait, no two requests are in flight at once. Without giving
+/// way the ten requests go out together.
+async fn fan_out_gives_way_to_ingest(backend: Backend) {
+    let nats = Nats::start().await;
+    let db = TestDb::new(backend).await;
+    let mut config = common::config(&nats, &db);
+    let fleet = MockFederation::trusting(&config, Duration::from_millis(300)).await;
+    let (servers, users) = fleet_users(10, 1);
+    fleet.serve(&mut config, servers.iter().map(String::as_str));
+    for user in &users {
+        fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
+    }
+    let js = nats.js().await;
+    create_input_stream(&js).await;
+    resync_all(&js, &users).await;
+    // Acks awaited a thousand at a time: async-nats lends only so many
+    // permits to acks nobody awaits.
+    for chunk in 0..40 {
+        let mut acks = Vec::new();
+        for n in chunk * 1_000..(chunk + 1) * 1_000 {
+            let body = json!({"room_id": "!r:our.example", "state_key": format!("@u{n}:x.example"),
+                              "membership": "join", "stream_ordering": n});
+            acks.push(
+                js.publish("devicelist.in.membership", body.to_string().into())
+                    .await
+                    .expect("publish"),
+            );
+        }
+        for ack in acks {
+            ack.await.expect("publish ack");
+        }
+    }
+    let running = worker::start(config).await.unwrap();
+    let mut samples = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let pending = input_consumer_info(&js)
+            .await
+            .map_or(u64::MAX, |i| i.num_pending);
+        if pending < 5_000 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "input not consumed: {pending} pending"
+        );
+        let in_flight = fleet.in_flight_now();
+        assert!(
+            in_flight <= 1,
+            "{in_flight} requests at once while ingest is behind"
+        );
+        samples += usize::from(in_flight == 1);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(samples > 0, "no request went out while ingest was behind");
+    common::eventually(Duration::from_secs(60), "every user fresh", || async {
+        (fleet.total_requests() >= users.len() && stale_count(&running.store).await == 0)
+            .then_some(())
+    })
+    .await;
+    running.stop(Duration::from_secs(10)).await;
+}
+both_backends!(gives_way, fan_out_gives_way_to_ingest);
 
 /// 1,000 servers fail and back off for ten minutes; a user on a healthy
 /// server is still fetched at once.

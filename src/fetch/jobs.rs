@@ -29,6 +29,7 @@ use tokio::sync::Semaphore;
 use tracing::Instrument as _;
 
 use super::federation::{FederationClient, FetchFailure};
+use super::give_way::{IngestBacklog, Turn};
 use super::retry::{Blame, FailureKind, RetryPolicy, blame, random_unit};
 use super::writer::{FetchWriter, Written};
 use crate::bus::fetch_jobs::{self, FetchJob};
@@ -67,6 +68,8 @@ pub struct Fetcher {
     pub ack_wait: Duration,
     /// Counters and histograms.
     pub metrics: crate::metrics::Metrics,
+    /// While ingest has a backlog, jobs wait for one of a few turns.
+    pub backlog: IngestBacklog,
 }
 
 /// How one job ended.
@@ -108,8 +111,14 @@ impl Fetcher {
                 }
                 continue;
             }
+            // While ingest is behind, one job per turn (see `give_way`).
+            let mut turn = tokio::select! {
+                turn = self.backlog.turn() => turn,
+                () = shutdown.requested() => continue,
+            };
+            let wanted = if turn.is_some() { 1 } else { free };
             let Some(mut pull) =
-                crate::bus::start_pull(&consumer, free, PULL_EXPIRY, "fetch jobs").await
+                crate::bus::start_pull(&consumer, wanted, PULL_EXPIRY, "fetch jobs").await
             else {
                 continue;
             };
@@ -120,8 +129,9 @@ impl Fetcher {
                 };
                 let this = self.clone();
                 let shutdown = shutdown.clone();
+                let turn = turn.take();
                 running.spawn(async move {
-                    this.handle(message, shutdown).await;
+                    this.handle(message, turn, shutdown).await;
                     drop(permit);
                 });
             }
@@ -131,7 +141,8 @@ impl Fetcher {
     }
 
     /// Runs one job message to its end: ack, NAK with delay, or give back.
-    async fn handle(&self, message: Message, shutdown: Shutdown) {
+    /// `turn`: the job's turn if it was taken while ingest is behind.
+    async fn handle(&self, message: Message, turn: Option<Turn>, shutdown: Shutdown) {
         let job: FetchJob = match serde_json::from_slice(&message.payload) {
             Ok(job) => job,
             Err(e) => {
@@ -178,7 +189,7 @@ impl Fetcher {
             self.metrics.fetches_in_flight(1);
             let span = tracing::info_span!("fetch_job", server = %server, failures);
             let end = self
-                .run_job(server, failures, &shutdown)
+                .run_job(server, failures, turn, &shutdown)
                 .instrument(span)
                 .await;
             self.metrics.fetches_in_flight(-1);
@@ -238,6 +249,7 @@ impl Fetcher {
         &self,
         server: &OwnedServerName,
         failures: u32,
+        mut turn: Option<Turn>,
         shutdown: &Shutdown,
     ) -> JobEnd {
         // A user still stale after its fetch (an update arrived meanwhile)
@@ -276,7 +288,10 @@ impl Fetcher {
                 // DLU_FEDERATION_TIMEOUT. A list already handed to the writer
                 // is still stored by it.
                 let result = tokio::select! {
-                    result = self.fetch_user(&due.user, &due.mark) => result,
+                    result = async {
+                        self.backlog.keep_turn(&mut turn).await;
+                        self.fetch_user(&due.user, &due.mark).await
+                    } => result,
                     () = shutdown.requested() => return JobEnd::Interrupted,
                 };
                 let answered = result

@@ -8,11 +8,13 @@
 //! * `jobs`: the fetch-job consumer that ties them together;
 //! * `writer`: stores fetched lists in groups, one transaction each;
 //! * `wake`: input from a server ends its job's wait (rule pure);
+//! * [`give_way`]: the fan-out gives way to ingest while it has a backlog;
 //! * `resync`: a resync asked for outside the input stream.
 
 pub mod answer;
 pub(crate) mod discovery;
 pub mod federation;
+pub mod give_way;
 pub(crate) mod guard;
 pub(crate) mod jobs;
 pub(crate) mod resync;

@@ -188,11 +188,12 @@ pub async fn create_postgres_database(admin_url: &str, prefix: &str) -> (String,
     db.execute_unprepared(&format!("CREATE DATABASE {name}"))
         .await
         .expect("create database");
-    let base = admin_url
-        .rsplit_once('/')
-        .map(|(b, _)| b)
-        .unwrap_or(admin_url);
-    (format!("{base}/{name}"), name)
+    // The new database's URL keeps the admin URL's parameters (`sslmode`).
+    let (path, query) = admin_url
+        .split_once('?')
+        .map_or((admin_url, String::new()), |(p, q)| (p, format!("?{q}")));
+    let base = path.rsplit_once('/').map_or(path, |(b, _)| b);
+    (format!("{base}/{name}{query}"), name)
 }
 
 /// Drops a database made by [`create_postgres_database`] (best effort).
@@ -214,15 +215,21 @@ pub async fn wait_input_drained(js: &jetstream::Context) {
 /// [`wait_input_drained`], waiting at most `timeout`.
 pub async fn wait_input_drained_within(js: &jetstream::Context, timeout: Duration) {
     wait_for(timeout, "input consumer drained", || async {
-        let stream = js.get_stream("DEVICE_LIST_INPUT").await.ok()?;
-        let mut consumer: jetstream::consumer::PullConsumer = stream
-            .get_consumer("device-list-updater-input")
-            .await
-            .ok()?;
-        let info = consumer.info().await.ok()?;
+        let info = input_consumer_info(js).await?;
         (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
     })
     .await;
+}
+
+/// The worker's input consumer as JetStream reports it now (None if it
+/// does not exist or does not answer).
+pub async fn input_consumer_info(js: &jetstream::Context) -> Option<jetstream::consumer::Info> {
+    let stream = js.get_stream("DEVICE_LIST_INPUT").await.ok()?;
+    let mut consumer: jetstream::consumer::PullConsumer = stream
+        .get_consumer("device-list-updater-input")
+        .await
+        .ok()?;
+    consumer.info().await.ok().cloned()
 }
 
 /// How many messages `stream` holds (0 if it does not exist).

@@ -170,6 +170,11 @@ impl MockFederation {
         self.lock().max_in_flight.get(server).copied().unwrap_or(0)
     }
 
+    /// Requests in flight now, all servers together.
+    pub fn in_flight_now(&self) -> usize {
+        self.lock().in_flight.values().sum()
+    }
+
     /// The most requests ever in flight at once for any one server.
     pub fn max_in_flight_any(&self) -> usize {
         self.lock()
