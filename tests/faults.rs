@@ -3,7 +3,9 @@
 //! - nats-server stopped and started again (file store kept);
 //! - PostgreSQL refusing the worker's database for a while;
 //! - a private PostgreSQL server stopped with `pg_ctl stop -m immediate`
-//!   and started again.
+//!   and started again;
+//! - the connection to NATS going silent while a pull has an update on its
+//!   way, then breaking.
 //!
 //! After each, every update is reflected in the database and every key
 //! change is in `KEY_CHANGE` exactly once (distinct `Nats-Msg-Id`s, one
@@ -22,7 +24,7 @@ use common::burst::{
 };
 use common::{Backend, Nats, TestDb};
 use device_list_updater::signing_key::SigningKey;
-use device_list_updater::testkit::{stream_len, wait_for};
+use device_list_updater::testkit::{input_consumer_info, stream_len, wait_for};
 use device_list_updater::worker;
 use sea_orm::ConnectionTrait;
 
@@ -165,4 +167,100 @@ async fn postgres_stopped_during_a_burst() {
     assert_no_user_left_stale(&running, &remote).await;
     assert_eq!(common::http_status(addr, "/readyz").await, 200);
     running.stop(Duration::from_secs(10)).await;
+}
+
+/// The connection to NATS goes silent while a pull has an update on its way
+/// (the socket of a node that is dying), then breaks (its death). The update
+/// that vanished with the pull is redelivered only after the ack wait; the
+/// same user's next update, published at once, must not overtake it
+/// (per-user order): both apply, in order, and the user is never stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_pull_keeps_per_user_order() {
+    let nats = Nats::start().await;
+    let proxy = common::proxy::Proxy::start(&nats.url).await;
+    let db = TestDb::new(Backend::Sqlite).await;
+    let js = nats.js().await;
+    device_list_updater::testkit::create_input_stream(&js).await;
+    let mut config =
+        device_list_updater::config::Config::for_tests(common::OUR_SERVER, &proxy.url(), &db.url);
+    // Longer than a lost pull takes to notice (its expiry and grace, 5 s), so
+    // a new pull would come before the redelivery.
+    config.settings.ack_wait = Duration::from_secs(10);
+    // No renewal during the test: one lost to the silence would end the lease
+    // and take the takeover path instead of the lost-pull one.
+    config.settings.lease_ttl = Duration::from_secs(600);
+    let running = worker::start(config).await.expect("worker");
+    let user = "@lost:remote.example";
+    common::known_user(running.store.connection(), user).await;
+    let update = |id: i64, name: &str| {
+        common::fetch_env::update(user, "DEVICE", id, &[id - 1], name).to_string()
+    };
+    // One update through first: the ingest is past its start-up and pulls
+    // as it does in steady state.
+    common::publish(&js, "devicelist.in.update", &update(1, "first"), None).await;
+    common::wait_stream(&js, "KEY_CHANGE", 1).await;
+    let mut next = 2;
+    // The update must leave on a pull before that pull expires; if it did
+    // not (the pull ended just as the silence began), it is delivered after
+    // the cut, in order, and the next one is tried.
+    loop {
+        device_list_updater::testkit::wait_input_drained(&js).await;
+        pull_waiting(&js).await;
+        proxy.swallow_what_the_server_sends();
+        common::publish(&js, "devicelist.in.update", &update(next, "lost"), None).await;
+        let sent = delivered_unacked(&js, Duration::from_secs(2)).await;
+        proxy.cut();
+        next += 1;
+        if sent {
+            break;
+        }
+    }
+    common::publish(&js, "devicelist.in.update", &update(next, "after"), None).await;
+    device_list_updater::testkit::wait_input_drained_within(&js, Duration::from_secs(60)).await;
+    // The outbox is published after the acks: wait for it (or 20 s), then
+    // say what arrived.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let ids = loop {
+        let ids: Vec<i64> = common::read_stream(&js, "KEY_CHANGE")
+            .await
+            .iter()
+            .filter(|k| k.json["user_id"] == user)
+            .filter_map(|k| k.json["stream_id"].as_i64())
+            .collect();
+        if ids.len() >= next as usize || tokio::time::Instant::now() > deadline {
+            break ids;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(ids, (1..=next).collect::<Vec<_>>(), "key changes in order");
+    use sea_orm::EntityTrait as _;
+    let stale = entity::stale_user::Entity::find()
+        .one(running.store.connection())
+        .await
+        .expect("query");
+    assert!(stale.is_none(), "the user went stale after a gap");
+    running.stop(Duration::from_secs(10)).await;
+}
+
+/// Waits until the worker has a pull request waiting on the input consumer.
+async fn pull_waiting(js: &async_nats::jetstream::Context) {
+    wait_for(Duration::from_secs(20), "a waiting pull", || async {
+        let info = input_consumer_info(js).await?;
+        (info.num_waiting > 0).then_some(())
+    })
+    .await;
+}
+
+/// Whether the input consumer has, within `timeout`, delivered its one
+/// pending message without its being acked.
+async fn delivered_unacked(js: &async_nats::jetstream::Context, timeout: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while tokio::time::Instant::now() < deadline {
+        let info = input_consumer_info(js).await.expect("consumer info");
+        if info.num_pending == 0 && info.num_ack_pending == 1 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
 }

@@ -13,6 +13,7 @@ use device_list_updater::config::Config;
 pub mod burst;
 pub mod certs;
 pub mod fetch_env;
+pub mod proxy;
 
 /// Our homeserver in tests.
 pub const OUR_SERVER: &str = "our.example";
