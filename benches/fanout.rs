@@ -12,9 +12,12 @@
 
 use std::time::{Duration, Instant};
 
+#[path = "support/fleet.rs"]
+mod fleet;
+
 use device_list_updater::config::Config;
 use device_list_updater::signing_key::SigningKey;
-use device_list_updater::testkit::remote::{MockFederation, Reply, device_list, overrides_for};
+use device_list_updater::testkit::remote::overrides_for;
 use device_list_updater::testkit::{
     Nats, create_postgres_database, drop_postgres_database, wait_for,
 };
@@ -42,24 +45,11 @@ async fn fanout(
 ) -> Outcome {
     let nats = Nats::start().await;
     let key = SigningKey::generate().expect("key");
-    let pair = key.key_pair().expect("key pair");
-    let fleet =
-        MockFederation::start("our.example", key.version(), pair.public_key(), latency).await;
-    let names: Vec<String> = (0..servers).map(|s| format!("s{s}.example")).collect();
-    let users: Vec<String> = names
-        .iter()
-        .flat_map(|s| (0..per_server).map(move |u| format!("@u{u}:{s}")))
-        .collect();
-    for user in &users {
-        fleet.script(
-            user,
-            vec![Reply::Json(device_list(
-                user,
-                1,
-                &[("D1", "Phone"), ("D2", "Laptop")],
-            ))],
-        );
-    }
+    let fleet::Fleet {
+        mock: fleet,
+        servers: names,
+        users,
+    } = fleet::two_device_fleet(&key, servers, per_server, latency).await;
     let mut config = Config::for_tests("our.example", &nats.url, database_url);
     config.signing_key = key;
     config.settings.federation_overrides = overrides_for(&fleet, names.iter().map(String::as_str));

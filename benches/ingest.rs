@@ -17,7 +17,8 @@
 //!    `BENCH_ROOM_USERS` users, default 20000), half in member-key rooms,
 //!    applied with membership on, on PostgreSQL, while a mock fleet of the
 //!    1,000 servers (`BENCH_LATENCY_MS`, default 100) answers the fetches
-//!    of the users it starts tracking (`BENCH_FLEET=off`: no fleet);
+//!    of the users it starts tracking (`BENCH_FLEET=off`: no fleet;
+//!    `BENCH_CONCURRENCY`: `DLU_FETCH_CONCURRENCY`, default its default);
 //! 4. `room_leave`: our server leaving a room of `BENCH_ROOM_MEMBERS`
 //!    remote members (default 50000), on PostgreSQL, while updates of
 //!    1,000 other users flow at 500/s (their latency is reported).
@@ -26,8 +27,19 @@
 //!    (default 5000) with two devices each, published to a running worker
 //!    on PostgreSQL; p50, p99 and max of publish → key change seen by a
 //!    core-NATS subscriber. Only run when named.
+//! 6. `outside`: the same workloads as a homeserver sees them, with the
+//!    release worker binary in its own process (`support/outside.rs`):
+//!    ingest of `BENCH_OUTSIDE_UPDATES` (100000) realistic updates over
+//!    `BENCH_LATENCY_USERS` users, and the fan-out of `BENCH_SERVERS`
+//!    (2000) × `BENCH_USERS_PER_SERVER` (5) stale users; with the worker's
+//!    peak RSS and CPU time. Only run when named.
 
 use std::time::{Duration, Instant};
+
+#[path = "support/fleet.rs"]
+mod fleet;
+#[path = "support/outside.rs"]
+mod outside;
 
 use async_nats::jetstream::{self, stream};
 use device_list_updater::config::Config;
@@ -457,7 +469,7 @@ async fn membership_snapshot(
     config.settings.federation_timeout = defaults.federation_timeout;
     config.settings.retry_min = defaults.retry_min;
     config.settings.retry_max = defaults.retry_max;
-    config.settings.fetch_concurrency = defaults.fetch_concurrency;
+    config.settings.fetch_concurrency = env_usize("BENCH_CONCURRENCY", defaults.fetch_concurrency);
     config.settings.ack_wait = Duration::from_secs(60);
     config.settings.batch_size = env_usize("BENCH_BATCH", 1000);
     let latency = Duration::from_millis(env_usize("BENCH_LATENCY_MS", 100) as u64);
@@ -844,6 +856,40 @@ fn main() {
             println!(
                 "| … the worker's dlu_update_to_key_change_seconds{{source=\"update\"}}: p50 ≤ {} s, p99 ≤ {} s (bucket bounds) | {} | - | - |",
                 histogram.p50_le, histogram.p99_le, histogram.count
+            );
+        }
+        if named("outside") {
+            let admin = std::env::var("DLU_BENCH_PG_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+            let n = env_usize("BENCH_OUTSIDE_UPDATES", 100_000);
+            let users = env_usize("BENCH_LATENCY_USERS", 5000);
+            let (pg_url, pg_name) = create_postgres_database(&admin, "dlu_bench_outside").await;
+            let run = outside::ingest(&nats, &pg_url, n, users).await;
+            drop_postgres_database(&admin, &pg_name).await;
+            println!(
+                "| outside ingest, PostgreSQL, the worker binary: {n} chained updates ({users} users × 2 devices, realistic keys) → key changes; worker peak RSS {:.1} MiB, worker CPU {:.2} s ({:.1} µs per update), machine CPU {:.0} % busy | {n} | {:.2}s | {:.0} |",
+                run.peak_rss_kib as f64 / 1024.0,
+                run.cpu.as_secs_f64(),
+                run.cpu.as_secs_f64() * 1e6 / n as f64,
+                run.machine_busy * 100.0,
+                run.elapsed.as_secs_f64(),
+                n as f64 / run.elapsed.as_secs_f64()
+            );
+            let servers = env_usize("BENCH_SERVERS", 2000);
+            let per_server = env_usize("BENCH_USERS_PER_SERVER", 5);
+            let latency = Duration::from_millis(env_usize("BENCH_LATENCY_MS", 100) as u64);
+            let (pg_url, pg_name) = create_postgres_database(&admin, "dlu_bench_outside").await;
+            let run = outside::fanout(&nats, &pg_url, servers, per_server, latency).await;
+            drop_postgres_database(&admin, &pg_name).await;
+            let fetched = servers * per_server;
+            println!(
+                "| outside fan-out, PostgreSQL, the worker binary: {fetched} stale users on {servers} servers answering in {} ms → all fresh by devicelist.rpc.query; worker peak RSS {:.1} MiB, worker CPU {:.0} µs per user, machine CPU {:.0} % busy | {fetched} | {:.2}s | {:.0} |",
+                latency.as_millis(),
+                run.peak_rss_kib as f64 / 1024.0,
+                run.cpu.as_secs_f64() * 1e6 / fetched as f64,
+                run.machine_busy * 100.0,
+                run.elapsed.as_secs_f64(),
+                fetched as f64 / run.elapsed.as_secs_f64()
             );
         }
         if runs("sqlite") {
