@@ -21,6 +21,7 @@ use crate::bus::publisher::OutboxHandle;
 use crate::bus::{BusError, Pulled};
 use crate::decide::Outcome;
 use crate::faults::{Fault, Faults};
+use crate::fetch::give_way::Behind;
 use crate::input::{self, DeadReason, InputMessage, InputSubjects, Parsed, Rejection};
 use crate::store::outbox::Origin;
 use crate::store::{Applied, Baton, Store, Turn};
@@ -109,6 +110,9 @@ impl Ingest {
         while !shutdown.is_requested() {
             let Some(lease) = Lease::try_acquire(&self.leases, &key, &holder, self.lease_ttl).await
             else {
+                // Another replica consumes the input: this one's fan-out has
+                // no ingest to give way to.
+                self.backlog.note_idle();
                 tokio::select! {
                     () = tokio::time::sleep(self.lease_ttl / 4) => {}
                     () = shutdown.requested() => {}
@@ -116,17 +120,26 @@ impl Ingest {
                 continue;
             };
             tracing::info!(stream = %stream_name, "this replica now consumes the input stream");
-            self.wait_for_in_flight(&consumer, &shutdown).await;
+            // Whether ingest is behind, from the last batch or count seen
+            // until the next: the fan-out gives way meanwhile.
+            let mut behind = None;
+            self.wait_for_in_flight(&consumer, &shutdown, &mut behind)
+                .await;
             let mut pipeline = Pipeline::default();
             while !shutdown.is_requested() && !lease.is_lost() {
-                if self.pull_once(&consumer, &shutdown, &mut pipeline).await == PullEnd::Lost {
+                let end = self
+                    .pull_once(&consumer, &shutdown, &mut pipeline, &mut behind)
+                    .await;
+                if end == PullEnd::Lost {
                     // What the lost pull sent and we never read comes back
                     // only after the ack wait; newer messages must not
                     // overtake it (per-user order), as after a takeover.
                     pipeline.finish().await;
-                    self.wait_for_in_flight(&consumer, &shutdown).await;
+                    self.wait_for_in_flight(&consumer, &shutdown, &mut behind)
+                        .await;
                 }
             }
+            drop(behind);
             pipeline.finish().await;
             lease.release().await;
         }
@@ -134,15 +147,30 @@ impl Ingest {
 
     /// After taking over, waits (at most `ack_wait`) until no message is
     /// delivered-but-unacked: a crashed leader's messages are then redelivered
-    /// before newer ones, which keeps per-user order.
-    async fn wait_for_in_flight(&self, consumer: &PullConsumer, shutdown: &Shutdown) {
+    /// before newer ones, which keeps per-user order. Tells the fan-out
+    /// whether a backlog waits.
+    async fn wait_for_in_flight(
+        &self,
+        consumer: &PullConsumer,
+        shutdown: &Shutdown,
+        behind: &mut Option<Behind>,
+    ) {
         let deadline = tokio::time::Instant::now() + self.ack_wait + Duration::from_secs(1);
         let mut consumer = consumer.clone();
         while tokio::time::Instant::now() < deadline && !shutdown.is_requested() {
             match consumer.info().await {
-                Ok(info) if info.num_ack_pending == 0 => return,
-                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+                Ok(info) => {
+                    let waiting = usize::try_from(info.num_pending)
+                        .unwrap_or(usize::MAX)
+                        .saturating_add(info.num_ack_pending);
+                    *behind = self.backlog.note_batch(waiting >= self.batch_size);
+                    if info.num_ack_pending == 0 {
+                        return;
+                    }
+                }
+                Err(_) => *behind = None,
             }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
@@ -155,6 +183,7 @@ impl Ingest {
         consumer: &PullConsumer,
         shutdown: &Shutdown,
         pipeline: &mut Pipeline,
+        behind: &mut Option<Behind>,
     ) -> PullEnd {
         let connects = self.connects();
         let Some(mut pull) =
@@ -162,6 +191,7 @@ impl Ingest {
         else {
             return PullEnd::Over;
         };
+        let mut delivered = false;
         loop {
             let first = match crate::bus::next_or_lost(&mut pull, PULL_EXPIRY).await {
                 Pulled::Item(Ok(message)) => message,
@@ -178,11 +208,19 @@ impl Ingest {
                 // `next_or_lost` gives up (found by `tests/faults.rs`,
                 // NATS restarted during a burst).
                 Pulled::Over if self.connects() != connects => return PullEnd::Lost,
-                Pulled::Over => return PullEnd::Over,
+                Pulled::Over => {
+                    if !delivered {
+                        // Nothing came within the expiry: caught up.
+                        *behind = None;
+                        self.backlog.note_idle();
+                    }
+                    return PullEnd::Over;
+                }
                 Pulled::Lost => return PullEnd::Lost,
             };
             let chunk = gather(first, &mut pull, self.batch_size, pipeline).await;
-            self.backlog.note_batch(self.behind(&chunk));
+            delivered = true;
+            *behind = self.backlog.note_batch(self.behind(&chunk));
             pipeline.push(self, chunk, shutdown).await;
         }
     }

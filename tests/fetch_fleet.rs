@@ -89,6 +89,67 @@ async fn one_request_per_server(backend: Backend) {
 }
 both_backends!(exclusive, one_request_per_server);
 
+/// Samples the fleet every 5 ms until fewer than 5,000 input messages
+/// wait: never two requests in flight at once, and at least one request
+/// seen. `first_request` runs once, when the first is seen in flight.
+async fn one_request_at_a_time_while_behind(
+    js: &async_nats::jetstream::Context,
+    fleet: &MockFederation,
+    first_request: impl FnOnce(),
+) {
+    let mut first_request = Some(first_request);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let pending = input_consumer_info(js)
+            .await
+            .map_or(u64::MAX, |i| i.num_pending);
+        if pending < 5_000 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "input not consumed: {pending} pending"
+        );
+        let in_flight = fleet.in_flight_now();
+        assert!(
+            in_flight <= 1,
+            "{in_flight} requests at once while ingest is behind"
+        );
+        if in_flight == 1
+            && let Some(first_request) = first_request.take()
+        {
+            first_request();
+        }
+        // Sampling, not synchronisation: the check is what is seen meanwhile.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        first_request.is_none(),
+        "no request went out while ingest was behind"
+    );
+}
+
+/// Publishes `count` joins of `@u{n}:x.example` to `room`, awaiting the
+/// stream's acks a thousand at a time (async-nats lends only so many
+/// permits to acks nobody awaits).
+async fn publish_joins(js: &async_nats::jetstream::Context, room: &str, count: usize) {
+    for chunk in (0..count).collect::<Vec<_>>().chunks(1_000) {
+        let mut acks = Vec::new();
+        for n in chunk {
+            let body = json!({"room_id": room, "state_key": format!("@u{n}:x.example"),
+                              "membership": "join", "stream_ordering": 1_000 + n});
+            acks.push(
+                js.publish("devicelist.in.membership", body.to_string().into())
+                    .await
+                    .expect("publish"),
+            );
+        }
+        for ack in acks {
+            ack.await.expect("publish ack");
+        }
+    }
+}
+
 /// While ingest is behind, the fan-out gives way (docs/design.md): with the
 /// tests' `DLU_FETCH_CONCURRENCY` of 64, one job at a time. Ten users on ten
 /// servers answering in 300 ms are marked stale ahead of 40,000 membership
@@ -108,46 +169,9 @@ async fn fan_out_gives_way_to_ingest(backend: Backend) {
     let js = nats.js().await;
     create_input_stream(&js).await;
     resync_all(&js, &users).await;
-    // Acks awaited a thousand at a time: async-nats lends only so many
-    // permits to acks nobody awaits.
-    for chunk in 0..40 {
-        let mut acks = Vec::new();
-        for n in chunk * 1_000..(chunk + 1) * 1_000 {
-            let body = json!({"room_id": "!r:our.example", "state_key": format!("@u{n}:x.example"),
-                              "membership": "join", "stream_ordering": n});
-            acks.push(
-                js.publish("devicelist.in.membership", body.to_string().into())
-                    .await
-                    .expect("publish"),
-            );
-        }
-        for ack in acks {
-            ack.await.expect("publish ack");
-        }
-    }
+    publish_joins(&js, "!r:our.example", 40_000).await;
     let running = worker::start(config).await.unwrap();
-    let mut samples = 0;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let pending = input_consumer_info(&js)
-            .await
-            .map_or(u64::MAX, |i| i.num_pending);
-        if pending < 5_000 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "input not consumed: {pending} pending"
-        );
-        let in_flight = fleet.in_flight_now();
-        assert!(
-            in_flight <= 1,
-            "{in_flight} requests at once while ingest is behind"
-        );
-        samples += usize::from(in_flight == 1);
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert!(samples > 0, "no request went out while ingest was behind");
+    one_request_at_a_time_while_behind(&js, &fleet, || {}).await;
     common::eventually(Duration::from_secs(60), "every user fresh", || async {
         (fleet.total_requests() >= users.len() && stale_count(&running.store).await == 0)
             .then_some(())
@@ -156,6 +180,94 @@ async fn fan_out_gives_way_to_ingest(backend: Backend) {
     running.stop(Duration::from_secs(10)).await;
 }
 both_backends!(gives_way, fan_out_gives_way_to_ingest);
+
+/// A batch that takes long does not let the fan-out loose half-way: the
+/// backlog lasts while a batch that found it is being applied, and the
+/// hold runs from its end (docs/design.md). With rooms deciding who is
+/// tracked, ten users on ten servers (answering in 300 ms) share a room with
+/// us, then 20,000 joins to a room without us follow. When the first fetch
+/// is in flight the test locks `room_member` against writers and holds the
+/// lock for four holds after a batch of joins is seen waiting on it; no two
+/// requests are in flight meanwhile. Had the hold run from the batch's
+/// start, the backlog would end a hold into the lock and the nine waiting
+/// jobs go out together. PostgreSQL only: its `LOCK TABLE … IN SHARE MODE`
+/// stops writers and lets readers through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_batch_keeps_the_fan_out_giving_way() {
+    use device_list_updater::config::Switch;
+    use device_list_updater::fetch::give_way::HOLD;
+    use sea_orm::{ConnectionTrait, Database, TransactionTrait};
+
+    let nats = Nats::start().await;
+    let db = TestDb::new(Backend::Postgres).await;
+    let mut config = common::config(&nats, &db);
+    config.settings.membership = Switch::On;
+    let fleet = MockFederation::trusting(&config, Duration::from_millis(300)).await;
+    let (servers, users) = fleet_users(10, 1);
+    fleet.serve(&mut config, servers.iter().map(String::as_str));
+    for user in &users {
+        fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
+    }
+    let js = nats.js().await;
+    create_input_stream(&js).await;
+    let shared = "!shared:our.example";
+    let mut members = vec!["@me:our.example".to_owned()];
+    members.extend(users.iter().cloned());
+    for (n, who) in members.iter().enumerate() {
+        let body = json!({"room_id": shared, "state_key": who, "membership": "join",
+                          "stream_ordering": n});
+        common::publish(&js, "devicelist.in.membership", &body.to_string(), None).await;
+    }
+    publish_joins(&js, "!big:our.example", 20_000).await;
+    let running = worker::start(config).await.unwrap();
+    let (lock_now, lock_wanted) = tokio::sync::oneshot::channel::<()>();
+    let url = db.url.clone();
+    let locker = tokio::spawn(async move {
+        let db = Database::connect(&url).await.expect("connect");
+        lock_wanted.await.expect("the first request seen");
+        let txn = db.begin().await.expect("begin");
+        txn.execute_unprepared("LOCK TABLE room_member IN SHARE MODE")
+            .await
+            .expect("lock");
+        common::eventually(
+            Duration::from_secs(20),
+            "a batch waits on the lock",
+            || async {
+                let waiting = db
+                    .query_one_raw(sea_orm::Statement::from_string(
+                        db.get_database_backend(),
+                        "SELECT count(*) AS n FROM pg_locks \
+                     WHERE NOT granted AND relation = 'room_member'::regclass \
+                     AND database = (SELECT oid FROM pg_database \
+                                     WHERE datname = current_database())",
+                    ))
+                    .await
+                    .expect("pg_locks")
+                    .and_then(|row| row.try_get::<i64>("", "n").ok())
+                    .unwrap_or(0);
+                (waiting > 0).then_some(())
+            },
+        )
+        .await;
+        // The slow batch's length: what the test injects, not a wait for
+        // anything.
+        tokio::time::sleep(HOLD * 4).await;
+        txn.commit().await.expect("unlock");
+    });
+    one_request_at_a_time_while_behind(&js, &fleet, || {
+        let _ = lock_now.send(());
+    })
+    .await;
+    locker
+        .await
+        .expect("the lock was taken, waited on and let go");
+    common::eventually(Duration::from_secs(60), "every user fresh", || async {
+        (fleet.total_requests() >= users.len() && stale_count(&running.store).await == 0)
+            .then_some(())
+    })
+    .await;
+    running.stop(Duration::from_secs(10)).await;
+}
 
 /// 1,000 servers fail and back off for ten minutes; a user on a healthy
 /// server is still fetched at once.
