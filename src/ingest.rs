@@ -219,6 +219,19 @@ impl Ingest {
                 Pulled::Lost => return PullEnd::Lost,
             };
             let chunk = gather(first, &mut pull, self.batch_size, pipeline).await;
+            if self.connects() != connects {
+                // The client reconnected during this pull while the server
+                // still held it (its expiry had not come): what it delivers
+                // now may be newer than what it lost on the old connection.
+                // Left unacked, the chunk comes back after the ack wait,
+                // behind what was lost (per-user order; found by
+                // `tests/faults.rs` `a_lost_pull_keeps_per_user_order`).
+                tracing::info!(
+                    messages = chunk.len(),
+                    "input pull crossed a reconnect; its messages wait for redelivery"
+                );
+                return PullEnd::Lost;
+            }
             delivered = true;
             *behind = self.backlog.note_batch(self.behind(&chunk));
             pipeline.push(self, chunk, shutdown).await;

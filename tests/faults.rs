@@ -172,8 +172,8 @@ async fn postgres_stopped_during_a_burst() {
 /// The connection to NATS goes silent while a pull has an update on its way
 /// (the socket of a node that is dying), then breaks (its death). The update
 /// that vanished with the pull is redelivered only after the ack wait; the
-/// same user's next update, published at once, must not overtake it
-/// (per-user order): both apply, in order, and the user is never stale.
+/// same user's next update, published as soon as the worker has
+/// reconnected, must not overtake it (per-user order): both apply, in order, and the user is never stale.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_pull_keeps_per_user_order() {
     let nats = Nats::start().await;
@@ -209,7 +209,12 @@ async fn a_lost_pull_keeps_per_user_order() {
         proxy.swallow_what_the_server_sends();
         common::publish(&js, "devicelist.in.update", &update(next, "lost"), None).await;
         let sent = delivered_unacked(&js, Duration::from_secs(2)).await;
+        let subscribed = proxy.subscribed_connections();
         proxy.cut();
+        // The next update comes once the worker is back: the server may
+        // still hold the lost pull (its expiry has not come) and deliver
+        // the update on it, ahead of the one the pull lost.
+        proxy.wait_subscribed_after(subscribed).await;
         next += 1;
         if sent {
             break;
