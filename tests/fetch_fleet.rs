@@ -48,6 +48,23 @@ fn fleet_users(servers: usize, per_server: usize) -> (Vec<String>, Vec<String>) 
     (servers, users)
 }
 
+/// A mock fleet of `servers` × `per_server` users answering in `delay`, each
+/// with one device, served to `config`.
+async fn fresh_fleet(
+    config: &mut device_list_updater::config::Config,
+    delay: Duration,
+    servers: usize,
+    per_server: usize,
+) -> (MockFederation, Vec<String>) {
+    let fleet = MockFederation::trusting(config, delay).await;
+    let (servers, users) = fleet_users(servers, per_server);
+    fleet.serve(config, servers.iter().map(String::as_str));
+    for user in &users {
+        fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
+    }
+    (fleet, users)
+}
+
 /// 50 servers × 4 stale users, 100 ms per answer, two replicas: no server
 /// ever sees two requests at once, and every user ends fresh.
 async fn one_request_per_server(backend: Backend) {
@@ -60,12 +77,7 @@ async fn one_request_per_server(backend: Backend) {
     // redeliveries at 2 s, also before this change); this test is about
     // normal operation, not about redelivery, so it gets the margin.
     config.settings.ack_wait = Duration::from_secs(10);
-    let fleet = MockFederation::trusting(&config, Duration::from_millis(100)).await;
-    let (servers, users) = fleet_users(50, 4);
-    fleet.serve(&mut config, servers.iter().map(String::as_str));
-    for user in &users {
-        fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
-    }
+    let (fleet, users) = fresh_fleet(&mut config, Duration::from_millis(100), 50, 4).await;
     let first = worker::start(config.clone()).await.unwrap();
     let second = worker::start(config).await.unwrap();
     let js = nats.js().await;
@@ -160,12 +172,7 @@ async fn fan_out_gives_way_to_ingest(backend: Backend) {
     let nats = Nats::start().await;
     let db = TestDb::new(backend).await;
     let mut config = common::config(&nats, &db);
-    let fleet = MockFederation::trusting(&config, Duration::from_millis(300)).await;
-    let (servers, users) = fleet_users(10, 1);
-    fleet.serve(&mut config, servers.iter().map(String::as_str));
-    for user in &users {
-        fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
-    }
+    let (fleet, users) = fresh_fleet(&mut config, Duration::from_millis(300), 10, 1).await;
     let js = nats.js().await;
     create_input_stream(&js).await;
     resync_all(&js, &users).await;
@@ -202,12 +209,7 @@ async fn a_slow_batch_keeps_the_fan_out_giving_way() {
     let db = TestDb::new(Backend::Postgres).await;
     let mut config = common::config(&nats, &db);
     config.settings.membership = Switch::On;
-    let fleet = MockFederation::trusting(&config, Duration::from_millis(300)).await;
-    let (servers, users) = fleet_users(10, 1);
-    fleet.serve(&mut config, servers.iter().map(String::as_str));
-    for user in &users {
-        fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
-    }
+    let (fleet, users) = fresh_fleet(&mut config, Duration::from_millis(300), 10, 1).await;
     let js = nats.js().await;
     create_input_stream(&js).await;
     let shared = "!shared:our.example";

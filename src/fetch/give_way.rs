@@ -200,6 +200,15 @@ mod tests {
     use super::*;
     use futures::FutureExt as _;
 
+    /// A task that waits for a turn and says when it came.
+    fn when_its_turn_comes(backlog: &IngestBacklog) -> tokio::task::JoinHandle<Instant> {
+        let backlog = backlog.clone();
+        tokio::spawn(async move {
+            backlog.turn().await;
+            Instant::now()
+        })
+    }
+
     #[tokio::test(start_paused = true)]
     async fn no_backlog_no_wait() {
         let backlog = IngestBacklog::with_slots(1);
@@ -235,13 +244,7 @@ mod tests {
         let backlog = IngestBacklog::with_slots(1);
         drop(backlog.note_batch(true));
         let _held = backlog.turn().await.expect("the one slot");
-        let waiting = tokio::spawn({
-            let backlog = backlog.clone();
-            async move {
-                backlog.turn().await;
-                Instant::now()
-            }
-        });
+        let waiting = when_its_turn_comes(&backlog);
         // Another full batch halfway through extends the backlog.
         tokio::time::sleep(HOLD / 2).await;
         let extended_at = Instant::now();
@@ -259,13 +262,7 @@ mod tests {
         let backlog = IngestBacklog::with_slots(1);
         let behind = backlog.note_batch(true);
         let _held = backlog.turn().await.expect("the one slot");
-        let waiting = tokio::spawn({
-            let backlog = backlog.clone();
-            async move {
-                backlog.turn().await;
-                Instant::now()
-            }
-        });
+        let waiting = when_its_turn_comes(&backlog);
         // A slow batch: ingest says nothing for ten holds.
         tokio::time::sleep(HOLD * 10).await;
         assert!(backlog.is_behind(), "behind until ingest says otherwise");
