@@ -173,7 +173,8 @@ async fn postgres_stopped_during_a_burst() {
 /// (the socket of a node that is dying), then breaks (its death). The update
 /// that vanished with the pull is redelivered only after the ack wait; the
 /// same user's next update, published as soon as the worker has
-/// reconnected, must not overtake it (per-user order): both apply, in order, and the user is never stale.
+/// reconnected, must not overtake it (per-user order): both apply, in
+/// order, and the user is never stale.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_pull_keeps_per_user_order() {
     let nats = Nats::start().await;
