@@ -15,7 +15,8 @@ use crate::bus::streams::{
     DEAD_STREAM, FETCH_STREAM, INPUT_CONSUMER, INPUT_STREAM, KEY_CHANGE_STREAM,
 };
 use crate::faults::Faults;
-use crate::fetch::resync::{self, ResyncError};
+use crate::fetch::queue::FetchQueue;
+use crate::fetch::resync::{self, Requested, ResyncError};
 use crate::rpc::QueryReply;
 use crate::store::Store;
 use crate::store::backoff::DueUser;
@@ -71,17 +72,26 @@ pub async fn stale(store: &Store, server: Option<&str>) -> Result<Value, AdminEr
     Ok(out)
 }
 
-/// Marks `user` stale and enqueues its server's fetch job; a running worker
-/// fetches it.
+/// Marks `user` stale and enqueues its server's fetch job (a parked job is
+/// started; `retry_min`: `DLU_RETRY_MIN`, as the worker's wake-ups use it); a
+/// running worker fetches it. With membership on, a user that shares no
+/// room is not marked (SPEC §5.5.6), and the answer says so.
 pub async fn resync(
     store: &Store,
     js: &jetstream::Context,
+    retry_min: std::time::Duration,
     user: &str,
 ) -> Result<Value, AdminError> {
     let user = OwnedUserId::try_from(user)
         .map_err(|e| AdminError::Argument(format!("user id {user:?}: {e}")))?;
-    resync::request(store, js, &user).await?;
-    Ok(json!({"user_id": user, "marked_stale": true, "job_enqueued": true}))
+    let queue = FetchQueue::inline(js.clone(), store.clone(), retry_min);
+    Ok(match resync::request(store, &queue, &user).await? {
+        Requested::MarkedStale => {
+            json!({"user_id": user, "marked_stale": true, "job_enqueued": true})
+        }
+        Requested::Untracked => json!({"user_id": user, "marked_stale": false,
+            "job_enqueued": false, "reason": "the user shares no room with us, so it is not tracked"}),
+    })
 }
 
 /// Users stored that share no room with us (SPEC §5.5.9): listed (a dry

@@ -14,6 +14,9 @@ pub enum Fault {
     CrashAfterPublish,
     /// Right after the first chunk of a room sweep commits.
     CrashAfterSweepChunk,
+    /// Not a crash: room sweeps do not run, so a test can see what holds
+    /// between our server leaving a room and the sweep of its members.
+    HoldSweeps,
 }
 
 /// The fault a worker was configured with (none outside test builds).
@@ -28,6 +31,18 @@ impl Faults {
     #[cfg(feature = "testkit")]
     pub fn armed(fault: Option<Fault>) -> Faults {
         Faults { armed: fault }
+    }
+
+    /// Whether `fault` is armed (always false outside test builds).
+    #[inline]
+    pub fn is_armed(&self, fault: Fault) -> bool {
+        #[cfg(feature = "testkit")]
+        return self.armed == Some(fault);
+        #[cfg(not(feature = "testkit"))]
+        {
+            let _ = fault;
+            false
+        }
     }
 
     /// Aborts the process if `point` is the armed fault.

@@ -15,7 +15,6 @@ use crate::shutdown::Shutdown;
 use tracing::Instrument as _;
 
 use crate::bus::dead_letters::{self, DeadLetter};
-use crate::bus::fetch_jobs;
 use crate::bus::lease::Lease;
 use crate::bus::publisher::OutboxHandle;
 use crate::bus::{BusError, Pulled};
@@ -62,8 +61,9 @@ pub struct Ingest {
     pub ack_wait: Duration,
     /// Counters and histograms.
     pub metrics: crate::metrics::Metrics,
-    /// Where input about a server's users may end its fetch job's wait.
-    pub wakeups: crate::fetch::wake::Wakeups,
+    /// Where servers with users newly stale or newly tracked go (SPEC
+    /// §5.2), and input from a server may end its job's back-off.
+    pub queue: crate::fetch::queue::FetchQueue,
     /// `DLU_MEMBERSHIP=on`: room input is read (SPEC §5.5).
     pub membership: bool,
     /// `DLU_MSC4430=on`: member keys are identities (SPEC §5.6).
@@ -325,12 +325,15 @@ impl Ingest {
             nak_all(items.iter().map(|i| &i.message), None).await;
             return;
         }
-        // Input about a server's users may end its fetch job's wait (SPEC
-        // §5.2): checked in the background, after the stale marks committed.
-        self.wakeups.note_all(accepted.iter().filter_map(|(_, m)| {
-            m.user_id()
-                .map(|user| (user.server_name(), m.heard_from_server()))
-        }));
+        // Input from a server in back-off shows it is up (SPEC §5.2):
+        // checked in the background, after the batch committed.
+        if let Some(wakeups) = self.queue.wakeups() {
+            wakeups.note_all(accepted.iter().filter_map(|(_, m)| {
+                m.user_id()
+                    .filter(|_| m.heard_from_server())
+                    .map(|user| (user.server_name(), true))
+            }));
+        }
         let mut sweeps = false;
         for applied in &applied {
             for outcome in &applied.plan.outcomes {
@@ -619,7 +622,7 @@ impl Ingest {
         shutdown: &Shutdown,
     ) -> bool {
         loop {
-            match fetch_jobs::enqueue(&self.js, servers).await {
+            match self.queue.stale(servers).await {
                 Ok(()) => return true,
                 Err(e) => tracing::warn!(error = %e, "fetch jobs not enqueued; retrying"),
             }

@@ -155,7 +155,9 @@ async fn admin(settings: &Settings, json: bool, command: AdminCommand) -> ExitCo
     let result = match (command, js.as_ref()) {
         (AdminCommand::User { users }, _) => admin::user(&store, &users).await,
         (AdminCommand::Stale { server }, _) => admin::stale(&store, server.as_deref()).await,
-        (AdminCommand::Resync { user }, Some(js)) => admin::resync(&store, js, &user).await,
+        (AdminCommand::Resync { user }, Some(js)) => {
+            admin::resync(&store, js, settings.retry_min, &user).await
+        }
         (AdminCommand::Streams, Some(js)) => admin::streams(js).await,
         (AdminCommand::ReplayOutbox, Some(js)) => admin::replay_outbox(&store, js).await,
         (AdminCommand::UntrackUnshared { apply }, _) => {

@@ -5,7 +5,8 @@
 //!   server still holds: the job goes through the fetch queue) and reply once
 //!   it is stored or the timeout passes.
 //!
-//! A request that cannot be read gets `{"error": "..."}`.
+//! A request that cannot be read, or that names anything but a user id (by
+//! position, never by value: SPEC §5.6.5), gets `{"error": "..."}`.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -16,7 +17,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
 use crate::bus::BusError;
-use crate::fetch::resync::{self, ResyncError};
+use crate::fetch::queue::FetchQueue;
+use crate::fetch::resync::{self, Requested, ResyncError};
 use crate::shutdown::Shutdown;
 use crate::store::Store;
 use crate::store::query::UserView;
@@ -29,6 +31,8 @@ pub const RESYNC_SUBJECT: &str = "devicelist.rpc.resync";
 pub const QUEUE_GROUP: &str = "device-list-updater";
 /// Most users in one query.
 pub const MAX_QUERY_USERS: usize = 1000;
+/// The resync reply's error for a user that shares no room (SPEC §5.5.6).
+const UNTRACKED: &str = "the user shares no room with us, so it is not tracked";
 /// Resync wait when the request gives none.
 const DEFAULT_RESYNC_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest resync wait accepted.
@@ -39,14 +43,12 @@ const MAX_RESYNC_TIMEOUT: Duration = Duration::from_secs(300);
 pub struct Rpc {
     /// Core NATS (subscriptions and replies).
     pub client: async_nats::Client,
-    /// JetStream (fetch jobs).
-    pub js: async_nats::jetstream::Context,
     /// The database.
     pub store: Store,
     /// Our server: its users are not fetched.
     pub own_server: OwnedServerName,
-    /// A resync may start a job that waits for other users' back-off.
-    pub wakeups: crate::fetch::wake::Wakeups,
+    /// Where a resync's user goes to be fetched.
+    pub queue: FetchQueue,
 }
 
 #[derive(Deserialize)]
@@ -158,6 +160,15 @@ impl Rpc {
         if request.user_ids.len() > MAX_QUERY_USERS {
             return error_reply(format!("at most {MAX_QUERY_USERS} users per query"));
         }
+        // Only user ids (SPEC §5.6.5): the error names the entry by its
+        // position, never its value (it may be a member key).
+        if let Some(position) = request
+            .user_ids
+            .iter()
+            .position(|id| OwnedUserId::try_from(id.as_str()).is_err())
+        {
+            return error_reply(format!("user_ids[{position}] is not a user id"));
+        }
         let views = match self.store.query_users(&request.user_ids).await {
             Ok(views) => views,
             Err(e) => return error_reply(format!("database: {e}")),
@@ -185,28 +196,18 @@ impl Rpc {
             })
             .unwrap_or_else(error_reply)
         };
-        let user = match OwnedUserId::try_from(request.user_id.as_str()) {
-            Ok(user) => user,
-            Err(e) => return reply(false, Some(format!("invalid user id: {e}"))),
+        // Only a user id (SPEC §5.6.5); not echoed back (it may be a
+        // member key).
+        let Ok(user) = OwnedUserId::try_from(request.user_id.as_str()) else {
+            return error_reply("user_id is not a user id");
         };
         if user.server_name() == self.own_server {
             return reply(false, Some("the user is on our own server".into()));
         }
-        if self.store.membership() {
-            match self.store.shared_rooms(&[user.as_str()]).await {
-                Ok(shared) if shared.contains_key(&user) => {}
-                Ok(_) => {
-                    return reply(
-                        false,
-                        Some("the user shares no room with us, so it is not tracked".into()),
-                    );
-                }
-                Err(e) => return reply(false, Some(format!("database: {e}"))),
-            }
-        }
         let deadline = tokio::time::Instant::now() + timeout;
         match tokio::time::timeout_at(deadline, self.resync_user(&user)).await {
-            Ok(Ok(())) => reply(true, None),
+            Ok(Ok(Requested::MarkedStale)) => reply(true, None),
+            Ok(Ok(Requested::Untracked)) => reply(false, Some(UNTRACKED.into())),
             Ok(Err(e)) => reply(false, Some(e.to_string())),
             Err(_) => {
                 let last = self.store.stale_state(&user).await.ok().flatten();
@@ -218,26 +219,40 @@ impl Rpc {
         }
     }
 
-    async fn resync_user(&self, user: &OwnedUserId) -> Result<(), ResyncError> {
+    /// Marks `user` stale and waits until its mark is gone: `MarkedStale`
+    /// when a fetch stored the list, `Untracked` when the user shares no
+    /// room (at the request, or by the time its mark went: untracking
+    /// removes the mark without a fetch, SPEC §5.5.4).
+    async fn resync_user(&self, user: &OwnedUserId) -> Result<Requested, ResyncError> {
         // The request runs in a task of its own: the stale mark and the job
         // must be stored even when the reply's timeout passes first (a slow
         // database), or the reply would say "not synced" of a user nobody
         // fetches. Dropping the handle on timeout does not cancel the task.
         let requested = {
-            let (store, js, user) = (self.store.clone(), self.js.clone(), user.clone());
-            tokio::spawn(async move { resync::request(&store, &js, &user).await })
+            let (store, queue, user) = (self.store.clone(), self.queue.clone(), user.clone());
+            tokio::spawn(async move { resync::request(&store, &queue, &user).await })
         };
         match requested.await {
-            Ok(result) => result?,
+            Ok(Ok(Requested::MarkedStale)) => {}
+            Ok(result) => return result,
             Err(e) => return Err(ResyncError::Interrupted(e.to_string())),
         }
-        self.wakeups.note(user.server_name(), false);
         // The fetch may run on any replica, so the database is the place to
         // watch. Checks start fast and slow down to 4 per second.
         let mut pause = Duration::from_millis(10);
         loop {
+            // Sharing first: a user that stopped sharing is not fetched,
+            // and its mark goes with its rows, perhaps only at its room's
+            // sweep.
+            let shares = match self.store.membership() {
+                true => self.store.shared_rooms(&[user.as_str()]).await.ok(),
+                false => None,
+            };
+            if shares.is_some_and(|shared| !shared.contains_key(user)) {
+                return Ok(Requested::Untracked);
+            }
             match self.store.stale_state(user).await {
-                Ok(None) => return Ok(()),
+                Ok(None) => return Ok(Requested::MarkedStale),
                 Ok(Some(_)) => {}
                 Err(e) => tracing::debug!(error = %e, "resync: cannot read the stale mark"),
             }

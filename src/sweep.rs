@@ -9,11 +9,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::Context;
 use tokio::sync::Notify;
 
-use crate::bus::fetch_jobs;
 use crate::faults::{Fault, Faults};
+use crate::fetch::queue::FetchQueue;
 use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
 use crate::store::{Store, now_ms};
@@ -28,8 +27,8 @@ const LOOK_EVERY: Duration = Duration::from_secs(5);
 pub(crate) struct Sweeper {
     /// The database.
     pub store: Store,
-    /// JetStream, for the fetch jobs of users that start sharing.
-    pub js: Context,
+    /// Where the servers of users that start sharing go (SPEC §5.2).
+    pub queue: FetchQueue,
     /// Told by ingest when a batch leaves a room to sweep.
     pub wake: Arc<Notify>,
     /// Counters.
@@ -54,6 +53,9 @@ impl Sweeper {
     }
 
     async fn sweep_all(&self, shutdown: &Shutdown) -> Result<(), sea_orm::DbErr> {
+        if self.faults.is_armed(Fault::HoldSweeps) {
+            return Ok(());
+        }
         for room in self.store.rooms_to_sweep().await? {
             let started = std::time::Instant::now();
             let mut untracked = 0;
@@ -64,7 +66,7 @@ impl Sweeper {
                 self.metrics.untracked(chunk.plan.rooms.untrack.len());
                 let servers = &chunk.plan.fetch_servers;
                 while !servers.is_empty() {
-                    match fetch_jobs::enqueue(&self.js, servers).await {
+                    match self.queue.stale(servers).await {
                         Ok(()) => break,
                         // The stale marks are committed; the start-up
                         // rescan finds them if this never succeeds.

@@ -16,6 +16,7 @@ use crate::config::Config;
 use crate::fetch::federation::{ClientError, FederationClient, FederationSettings};
 use crate::fetch::give_way::IngestBacklog;
 use crate::fetch::jobs::Fetcher;
+use crate::fetch::queue::FetchQueue;
 use crate::fetch::retry::RetryPolicy;
 use crate::fetch::wake::Wakeups;
 use crate::fetch::writer::FetchWriter;
@@ -184,17 +185,17 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         metrics.clone(),
         shutdown.clone(),
     ));
+    let queue = FetchQueue::new(js.clone(), wakeups);
     let rpc = crate::rpc::Rpc {
         client: client.clone(),
-        js: js.clone(),
         store: store.clone(),
         own_server: server_name.clone(),
-        wakeups: wakeups.clone(),
+        queue: queue.clone(),
     };
     let rpc = rpc.subscribe().await?;
     tasks.spawn(rpc.run(shutdown.clone()));
     tasks.spawn(rescan_stale(
-        js.clone(),
+        queue.clone(),
         store.clone(),
         settings.startup_spread,
         shutdown.clone(),
@@ -203,7 +204,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     if settings.membership.is_on() {
         let sweeper = crate::sweep::Sweeper {
             store: store.clone(),
-            js: js.clone(),
+            queue: queue.clone(),
             wake: sweeps.clone(),
             metrics: metrics.clone(),
             faults,
@@ -223,7 +224,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         lease_ttl: settings.lease_ttl,
         ack_wait: settings.ack_wait,
         metrics,
-        wakeups,
+        queue,
         membership: settings.membership.is_on(),
         member_keys: settings.msc4430.is_on(),
         sweeps,
@@ -244,11 +245,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     })
 }
 
-/// Start-up rescan (SPEC §5.2): enqueues a fetch job for every server that
-/// still has stale users, spread evenly over `spread` so a restart does not
+/// Start-up rescan (SPEC §5.2): hands every server that still has stale
+/// users to the fetch queue (a parked job with a user due runs now), spread evenly over `spread` so a restart does not
 /// hit every remote server at once. Jobs already queued are refused by the
 /// stream, so replicas starting together do no double work.
-async fn rescan_stale(js: jetstream::Context, store: Store, spread: Duration, stop: Shutdown) {
+async fn rescan_stale(queue: FetchQueue, store: Store, spread: Duration, stop: Shutdown) {
     let servers = match store.servers_with_stale_users().await {
         Ok(servers) => servers,
         Err(e) => {
@@ -277,7 +278,7 @@ async fn rescan_stale(js: jetstream::Context, store: Store, spread: Duration, st
                 () = stop.requested() => return,
             }
         }
-        if let Err(e) = fetch_jobs::enqueue(&js, [server]).await {
+        if let Err(e) = queue.stale([server]).await {
             tracing::warn!(error = %e, %server, "start-up rescan could not enqueue a job");
         }
     }

@@ -18,7 +18,10 @@
 //! 2. a user is tracked (its count above zero) exactly when the model says
 //!    it shares a room, and it never shares through another room's key;
 //! 3. every user that starts sharing with nothing stored is marked stale
-//!    (to be fetched), and every user that stops is untracked.
+//!    (to be fetched), and every user that stops is untracked;
+//! 4. right after a batch, before any sweep, no user the model says shares
+//!    nothing counts as sharing a room now (our server leaving a room
+//!    untracks its members at once, §5.5.4).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -118,6 +121,7 @@ impl Stored {
         rooms.links = self.links.clone();
         rooms.room_users = self.room_users.clone();
         rooms.shared = self.shared.clone();
+        rooms.shared_now = self.shared_now();
         let stale = self
             .stale
             .iter()
@@ -135,6 +139,19 @@ impl Stored {
             rooms: Some(rooms),
             ..Snapshot::default()
         }
+    }
+
+    /// The rooms each user shares now, as the store reads them: pairs
+    /// counted as sharing in rooms that are ours.
+    fn shared_now(&self) -> HashMap<OwnedUserId, u32> {
+        let mut counts: HashMap<OwnedUserId, u32> = HashMap::new();
+        for ((room, user), pair) in &self.room_users {
+            let ours = self.rooms.get(room).is_some_and(|r| r.local_joined > 0);
+            if pair.shares && ours {
+                *counts.entry(user.clone()).or_default() += 1;
+            }
+        }
+        counts
     }
 
     fn commit(&mut self, plan: &Plan) {
@@ -297,10 +314,17 @@ proptest! {
             let before: BTreeSet<OwnedUserId> = stored.shared.keys().cloned().collect();
             let plan = plan_batch(stored.snapshot(), &messages, 0);
             stored.commit(&plan);
-            stored.sweep(chunk);
             for (message, room_n, key_n) in batch.drain(..) {
                 model.apply(&message, room_n, key_n);
             }
+            // 4: before any sweep, a user the model says shares nothing
+            // shares nothing for every decision (SPEC §5.5.4), and nothing
+            // is stored for it unless it was stored before the batch.
+            let expected = model.shared();
+            for (user, n) in stored.shared_now() {
+                assert!(n == 0 || expected.contains_key(&user), "{user} shares {n} rooms now");
+            }
+            stored.sweep(chunk);
             let counts: BTreeMap<OwnedUserId, u32> = stored.shared.clone().into_iter().collect();
             assert_eq!(counts, model.shared(), "after a batch and its sweeps");
             let after: BTreeSet<OwnedUserId> = stored.shared.keys().cloned().collect();

@@ -161,11 +161,13 @@ async fn two_workers_track_by_membership(backend: Backend) {
                 let what = if rooms[r] { "join" } else { "leave" };
                 let body = json!({"room_id": room(r), "state_key": member(i),
                                   "membership": what, "stream_ordering": ordering});
+                fleet.room_reason();
                 publish("devicelist.in.membership", body).await;
             }
             let body = json!({"user_id": member(i), "device_id": format!("D{}", step % 3),
                 "device_display_name": format!("step {step}"), "stream_id": step,
                 "prev_id": [step - 1], "keys": {"step": step}});
+            fleet.reason(&member(i));
             publish("devicelist.in.update", body).await;
         }
     }

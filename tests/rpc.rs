@@ -161,8 +161,8 @@ async fn bad_requests_get_an_error(backend: Backend) {
     let reply = env
         .request("devicelist.rpc.resync", json!({"user_id": "not a user"}))
         .await;
-    assert_eq!(reply["synced"], false);
-    assert!(reply["error"].is_string(), "{reply}");
+    // Not a user id: refused, not echoed (SPEC §5.6.5).
+    assert_eq!(reply, json!({"error": "user_id is not a user id"}));
     let reply = env
         .request(
             "devicelist.rpc.resync",

@@ -150,9 +150,15 @@ pub fn plan_batch(mut snapshot: Snapshot, messages: &[InputMessage], now_ms: i64
                 .is_some_and(|rooms| !rooms.is_shared(user))
         };
         let outcome = match message {
-            InputMessage::Update(update) if untracked(&update.user_id) => Outcome::Untracked,
-            InputMessage::SigningKey(keys) if untracked(&keys.user_id) => Outcome::Untracked,
-            InputMessage::Resync(request) if untracked(&request.user_id) => Outcome::Untracked,
+            InputMessage::Update(update) if untracked(&update.user_id) => {
+                drop_untracked(&mut snapshot, &mut plan, &update.user_id, now_ms)
+            }
+            InputMessage::SigningKey(keys) if untracked(&keys.user_id) => {
+                drop_untracked(&mut snapshot, &mut plan, &keys.user_id, now_ms)
+            }
+            InputMessage::Resync(request) if untracked(&request.user_id) => {
+                drop_untracked(&mut snapshot, &mut plan, &request.user_id, now_ms)
+            }
             InputMessage::Update(update) => apply_update(&mut snapshot, &mut plan, update, now_ms),
             InputMessage::SigningKey(keys) => apply_signing_keys(&mut snapshot, &mut plan, keys),
             InputMessage::Resync(request) => {
@@ -169,6 +175,25 @@ pub fn plan_batch(mut snapshot: Snapshot, messages: &[InputMessage], now_ms: i64
         plan.outcomes.push(outcome);
     }
     plan
+}
+
+/// Input about a user that shares no room with us is dropped (SPEC §5.5.6).
+/// A list still stored for it (tracked before the feed began, §5.5.9) is
+/// now behind the remote's: it is marked stale, but no fetch is asked for.
+/// Fetches only ever ask for users who share a room now, so the mark waits
+/// until the user shares one, and it is fetched then.
+fn drop_untracked(snapshot: &mut Snapshot, plan: &mut Plan, user: &UserId, now_ms: i64) -> Outcome {
+    if snapshot.users.contains_key(user) {
+        let mark = snapshot
+            .stale
+            .entry(user.to_owned())
+            .or_insert_with(|| StaleMark {
+                trigger_ids: Vec::new(),
+                marked_at_ms: now_ms,
+            });
+        plan.stale.insert(user.to_owned(), mark.clone());
+    }
+    Outcome::Untracked
 }
 
 fn apply_update(

@@ -54,8 +54,13 @@ pub struct RoomSnapshot {
     pub links: HashMap<(OwnedRoomId, MemberKey), Link>,
     /// (room, user) rows of the users the batch may touch.
     pub room_users: HashMap<(OwnedRoomId, OwnedUserId), RoomUser>,
-    /// Shared-room counts of those users (absent: zero).
+    /// Stored shared-room counts of those users (absent: zero): the pairs
+    /// marked as sharing, rooms we left and not yet swept included. Kept
+    /// for the sweeps; it decides nothing.
     pub shared: HashMap<OwnedUserId, u32>,
+    /// The rooms those users share with us now (absent: zero): pairs marked
+    /// as sharing in rooms that are ours. This decides who is tracked.
+    pub shared_now: HashMap<OwnedUserId, u32>,
 }
 
 impl RoomSnapshot {
@@ -68,12 +73,18 @@ impl RoomSnapshot {
             links: HashMap::new(),
             room_users: HashMap::new(),
             shared: HashMap::new(),
+            shared_now: HashMap::new(),
         }
     }
 
-    /// Whether `user` shares a room with us.
+    /// Whether `user` shares a room with us now.
     pub fn is_shared(&self, user: &UserId) -> bool {
-        self.shared.get(user).is_some_and(|&n| n > 0)
+        self.shared_now.get(user).is_some_and(|&n| n > 0)
+    }
+
+    /// Whether `room` is ours (as far as this snapshot knows it).
+    pub fn is_ours(&self, room: &RoomId) -> bool {
+        self.rooms.get(room).is_some_and(|r| r.local_joined > 0)
     }
 }
 
@@ -205,6 +216,7 @@ fn apply_room_plan(
     };
     let own = rooms.own.clone();
     let mut row = rooms.rooms.get(room).copied().unwrap_or_default();
+    let was_ours = row.local_joined > 0;
     for (user, delta) in &room_plan.joined {
         let remote = user.server_name() != own;
         let slot = (room.to_owned(), user.clone());
@@ -229,13 +241,59 @@ fn apply_room_plan(
     }
     rooms.rooms.insert(room.to_owned(), row);
     plan.rooms.rooms.insert(room.to_owned(), row);
+    let is_ours = row.local_joined > 0;
+    if was_ours != is_ours {
+        // The pairs already counted in this room count, or stop counting,
+        // from this change on, for every decision (SPEC §5.5.4): for the
+        // users this batch holds, here; the sweep then only fixes the rows
+        // of the others.
+        let counted: Vec<OwnedUserId> = rooms
+            .room_users
+            .iter()
+            .filter(|((r, user), pair)| r == room && pair.shares && user.server_name() != own)
+            .map(|((_, user), _)| user.clone())
+            .collect();
+        for user in counted {
+            move_shared_now(snapshot, plan, &user, is_ours, now_ms);
+        }
+    }
     for (user, shares) in set {
         set_shares(snapshot, plan, room, &user, shares, now_ms);
     }
 }
 
-/// Sets whether (room, user) counts as shared; a flip moves the user's
-/// count, and the count leaving or reaching zero starts or ends tracking.
+/// One room more (`gained`) or less that `user` shares now; reaching or
+/// leaving zero starts or ends its tracking.
+fn move_shared_now(
+    snapshot: &mut Snapshot,
+    plan: &mut Plan,
+    user: &UserId,
+    gained: bool,
+    now_ms: i64,
+) {
+    let Some(rooms) = snapshot.rooms.as_mut() else {
+        return;
+    };
+    let count = rooms.shared_now.entry(user.to_owned()).or_default();
+    let before = *count;
+    *count = if gained {
+        count.saturating_add(1)
+    } else {
+        count.saturating_sub(1)
+    };
+    match (before, *count) {
+        (0, 1..) => start_tracking(snapshot, plan, user, now_ms),
+        (1.., 0) => untrack(snapshot, plan, user),
+        _ => {}
+    }
+}
+
+/// Sets whether (room, user) is counted as shared. A flip moves the user's
+/// stored count; in a room that is ours it also moves the rooms the user
+/// shares now, which starts or ends tracking at zero. In a room that is not
+/// ours (one we left, being swept) the pair already counted for nothing:
+/// the stored count reaching zero then only removes the rows of a user
+/// that shares nothing now.
 pub(super) fn set_shares(
     snapshot: &mut Snapshot,
     plan: &mut Plan,
@@ -247,6 +305,7 @@ pub(super) fn set_shares(
     let Some(rooms) = snapshot.rooms.as_mut() else {
         return;
     };
+    let ours = rooms.is_ours(room);
     let slot = (room.to_owned(), user.to_owned());
     let pair = rooms.room_users.entry(slot.clone()).or_default();
     if pair.shares == shares {
@@ -255,27 +314,28 @@ pub(super) fn set_shares(
     pair.shares = shares;
     plan.rooms.room_users.insert(slot, *pair);
     let count = rooms.shared.entry(user.to_owned()).or_default();
-    let before = *count;
     *count = if shares {
         count.saturating_add(1)
     } else {
         count.saturating_sub(1)
     };
-    let after = *count;
-    plan.rooms.shared.insert(user.to_owned(), after);
-    match (before, after) {
-        (0, 1..) => start_tracking(snapshot, plan, user, now_ms),
-        (1.., 0) => untrack(snapshot, plan, user),
-        _ => {}
+    let stored = *count;
+    plan.rooms.shared.insert(user.to_owned(), stored);
+    if ours {
+        move_shared_now(snapshot, plan, user, shares, now_ms);
+    } else if stored == 0 && !rooms.is_shared(user) {
+        untrack(snapshot, plan, user);
     }
 }
 
 /// A user starts sharing a room: with nothing stored, it is fetched (SPEC
-/// §5.5.3); a stored list (tracked before the feed began) stays as it is.
+/// §5.5.3); a stored list (tracked before the feed began) stays as it is,
+/// unless it is marked stale (an update was dropped while it shared
+/// nothing, §5.5.9): then it is fetched now.
 fn start_tracking(snapshot: &mut Snapshot, plan: &mut Plan, user: &UserId, now_ms: i64) {
     // Every stored list has its user row (devices are never written
     // without it), so the row and the stale mark say whether anything is.
-    if !snapshot.users.contains_key(user) && !snapshot.stale.contains_key(user) {
+    if !snapshot.users.contains_key(user) || snapshot.stale.contains_key(user) {
         mark_stale(snapshot, plan, user, None, now_ms);
     }
 }

@@ -8,6 +8,8 @@
 //! * `jobs`: the fetch-job consumer that ties them together;
 //! * `writer`: stores fetched lists in groups, one transaction each;
 //! * `wake`: input from a server ends its job's wait (rule pure);
+//! * `queue`: the one way in for users that need fetching: enqueue their
+//!   servers' jobs and start parked ones;
 //! * [`give_way`]: the fan-out gives way to ingest while it has a backlog;
 //! * `resync`: a resync asked for outside the input stream.
 
@@ -17,6 +19,7 @@ pub mod federation;
 pub mod give_way;
 pub(crate) mod guard;
 pub(crate) mod jobs;
+pub(crate) mod queue;
 pub(crate) mod resync;
 pub(crate) mod retry;
 pub(crate) mod wake;

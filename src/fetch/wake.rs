@@ -97,15 +97,11 @@ struct Inner {
 const ROUND_PAUSE: Duration = Duration::from_millis(100);
 
 impl Wakeups {
-    /// Notes input about users of `server`; `heard`: it came from the
-    /// server itself (an update or a signing-key update, not a resync).
-    pub fn note(&self, server: &ServerName, heard: bool) {
-        self.note_all([(server, heard)]);
-    }
-
-    /// [`Wakeups::note`] for a whole batch: one lock, one wake of the
-    /// checker, and no allocation for a server noted already (ingest calls
-    /// this for every batch).
+    /// Notes servers to check, each with `heard`: input came from the server
+    /// itself (an update or a signing-key update: its back-off may end), or
+    /// it has users just marked stale (a parked job may start). One lock, one
+    /// wake of the checker, and no allocation for a server noted already
+    /// (ingest calls this for every batch).
     pub fn note_all<'a>(&self, notes: impl IntoIterator<Item = (&'a ServerName, bool)>) {
         let now = now_ms();
         let mut pending = self
@@ -286,10 +282,9 @@ mod tests {
         let wakeups = Wakeups::default();
         let a = <&ServerName>::try_from("a.example").unwrap();
         let b = <&ServerName>::try_from("b.example").unwrap();
-        wakeups.note(a, false);
-        wakeups.note(a, true);
-        wakeups.note(a, false);
-        wakeups.note(b, false);
+        wakeups.note_all([(a, false)]);
+        wakeups.note_all([(a, true)]);
+        wakeups.note_all([(a, false), (b, false)]);
         let taken = wakeups.take();
         assert_eq!(taken.len(), 2);
         assert!(taken.get(a).is_some_and(|at| at.is_some()));

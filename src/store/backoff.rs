@@ -30,6 +30,19 @@ pub struct DueUser {
 pub type ServerWait = fetch_server::Model;
 
 impl Store {
+    /// The stale users a fetch may ask for: all of them, or with membership
+    /// on only those who share a room with us now (SPEC §5.2, §5.5.9). The
+    /// others keep their mark, which says their stored list is behind, and
+    /// are fetched once they share a room; never before, so a fetch job can
+    /// never loop on them.
+    pub(super) fn fetchable_stale_users(&self) -> sea_orm::Select<stale_user::Entity> {
+        let all = stale_user::Entity::find();
+        match self.membership() {
+            true => all.filter(super::sharing::stale_user_shares_now()),
+            false => all,
+        }
+    }
+
     /// Stale users of `server` that may be fetched at `now_ms` (their own
     /// wait is over), oldest mark first, at most `limit`.
     pub async fn due_stale_users(
@@ -38,7 +51,8 @@ impl Store {
         now_ms: i64,
         limit: u64,
     ) -> Result<Vec<DueUser>, DbErr> {
-        let rows = stale_user::Entity::find()
+        let rows = self
+            .fetchable_stale_users()
             .filter(stale_user::Column::ServerName.eq(server.as_str()))
             .filter(stale_user::Column::NextAttemptMs.lte(now_ms))
             .order_by_asc(stale_user::Column::MarkedAtMs)
@@ -66,7 +80,7 @@ impl Store {
         server: &ServerName,
         now_ms: i64,
     ) -> Result<Option<i64>, DbErr> {
-        stale_user::Entity::find()
+        self.fetchable_stale_users()
             .select_only()
             .column_as(stale_user::Column::NextAttemptMs.min(), "due")
             .filter(stale_user::Column::ServerName.eq(server.as_str()))

@@ -34,9 +34,10 @@ impl Store {
         stale_user::Entity::find().count(&self.db).await
     }
 
-    /// Every server with stale users (for the start-up rescan).
+    /// Every server with stale users that may be fetched (for the start-up
+    /// rescan).
     pub async fn servers_with_stale_users(&self) -> Result<Vec<String>, DbErr> {
-        stale_user::Entity::find()
+        self.fetchable_stale_users()
             .select_only()
             .column(stale_user::Column::ServerName)
             .distinct()
@@ -81,12 +82,11 @@ impl Store {
         users.sort_unstable();
         users.dedup();
         lock_users(&txn, &users).await?;
-        // With membership on, only users sharing a room are stored; their
-        // count rows are locked, so an untracking batch cannot pass this
-        // check unseen (SPEC §5.5.4).
+        // With membership on, only users sharing a room now are stored
+        // (SPEC §5.5.4).
         let shared: Option<BTreeSet<OwnedUserId>> = match self.membership() {
             true => Some(
-                super::rooms::shared_counts(&txn, &users, true)
+                super::sharing::rooms_shared_now(&txn, &users)
                     .await?
                     .into_iter()
                     .filter(|(_, n)| *n > 0)

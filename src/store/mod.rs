@@ -13,6 +13,7 @@ pub(crate) mod outbox;
 pub mod query;
 pub mod rooms;
 mod rows;
+mod sharing;
 mod write;
 
 use std::time::Duration;

@@ -130,16 +130,19 @@ pub(super) async fn load_rooms<C: ConnectionTrait>(
     Ok((snapshot, users))
 }
 
-/// Loads the shared-room counts of `users` into `snapshot`. On PostgreSQL
-/// the rows are locked (`FOR UPDATE`), so a fetch that checks them waits
-/// until this transaction has untracked or not.
+/// Loads the shared-room counts of `users` into `snapshot`: the stored
+/// ones (the sweeps' bookkeeping) and the rooms shared now
+/// ([`super::sharing`]), which decide.
 pub(super) async fn load_shared<C: ConnectionTrait>(
     db: &C,
     snapshot: &mut RoomSnapshot,
     users: &[&str],
 ) -> Result<(), DbErr> {
-    for (user, count) in shared_counts(db, users, true).await? {
+    for (user, count) in shared_counts(db, users, false).await? {
         snapshot.shared.insert(user, count);
+    }
+    for (user, count) in super::sharing::rooms_shared_now(db, users).await? {
+        snapshot.shared_now.insert(user, count);
     }
     Ok(())
 }
@@ -361,12 +364,13 @@ impl Store {
         shared_user::Entity::find().count(&self.db).await
     }
 
-    /// How many rooms each of `users` shares with us (absent: none).
+    /// How many rooms each of `users` shares with us now (absent: none;
+    /// see [`super::sharing`]).
     pub async fn shared_rooms(
         &self,
         users: &[&str],
     ) -> Result<std::collections::BTreeMap<OwnedUserId, u32>, DbErr> {
-        Ok(shared_counts(&self.db, users, false)
+        Ok(super::sharing::rooms_shared_now(&self.db, users)
             .await?
             .into_iter()
             .collect())

@@ -3,6 +3,13 @@
 //! valid X-Matrix signature from our server over the path as sent, and its
 //! `destination` must be the server of the user asked for; requests that
 //! fail the check get 401 and are counted.
+//!
+//! The fleet is also the request-loop guard (SPEC §5.2): a fleet made with
+//! [`MockFederation::trusting`] fails its test (when dropped) if one user
+//! was asked for again within `DLU_RETRY_MIN` of the last time without a
+//! reason in between. Tests name reasons with [`MockFederation::reason`]
+//! (an update or resync for a user) and [`MockFederation::room_reason`] (a
+//! room change, which may start anyone's tracking) before they publish them.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -47,6 +54,45 @@ struct Fleet {
     paths: Vec<String>,
     /// Requests that named a member key where a user id belongs.
     named_keys: Vec<String>,
+    /// The request-loop guard's window (`DLU_RETRY_MIN`), if on.
+    guard: Option<Duration>,
+    /// When a reason to ask for each user (or each server's users) again
+    /// was last given.
+    reasons: HashMap<String, std::time::Instant>,
+    /// When a room change (a reason for anyone) was last given.
+    room_reason: Option<std::time::Instant>,
+    /// Requests the guard refused, described.
+    loops: Vec<String>,
+}
+
+/// How long before the previous request a reason still counts: input
+/// published just before a request was sent may be applied after it
+/// (the user stays stale and is asked again). A loop asks again and again
+/// for longer than this with no reason at all, and is caught.
+const REASON_LAG: Duration = Duration::from_secs(1);
+
+impl Fleet {
+    /// Checks a request for `user` arriving `now` against the guard.
+    fn guard(&mut self, user: &str, now: std::time::Instant) {
+        let Some(window) = self.guard else { return };
+        let Some(last) = self.times.get(user).and_then(|t| t.last().copied()) else {
+            return;
+        };
+        let server = user.split_once(':').map_or("", |(_, server)| server);
+        let reason = self
+            .reasons
+            .get(user)
+            .copied()
+            .max(self.reasons.get(server).copied())
+            .max(self.room_reason)
+            .is_some_and(|at| at + REASON_LAG >= last);
+        let gap = now.duration_since(last);
+        if gap < window && !reason {
+            self.loops.push(format!(
+                "{user} asked for again after {gap:?} (< DLU_RETRY_MIN {window:?}) with no update, resync or room change in between"
+            ));
+        }
+    }
 }
 
 /// The fleet's shared state and settings.
@@ -116,13 +162,42 @@ impl MockFederation {
             .key_pair()
             .expect("usable signing key")
             .public_key();
-        MockFederation::start(
+        let fleet = MockFederation::start(
             config.server_name.as_str(),
             config.signing_key.version(),
             public_key,
             latency,
         )
-        .await
+        .await;
+        fleet.lock().guard = Some(config.settings.retry_min);
+        fleet
+    }
+
+    /// Sets the request-loop guard's window (`DLU_RETRY_MIN` of the worker
+    /// under test; a fleet from [`MockFederation::trusting`] starts with
+    /// that of its configuration).
+    pub fn guard(&self, window: Duration) {
+        self.lock().guard = Some(window);
+    }
+
+    /// Gives a reason to ask for `user` again (call before publishing the
+    /// update or resync, or sending the RPC, that is the reason). An update
+    /// also gives its server's other users one: it ends the server's
+    /// back-off (name the server for that).
+    pub fn reason(&self, user: &str) {
+        let now = std::time::Instant::now();
+        self.lock().reasons.insert(user.to_owned(), now);
+    }
+
+    /// Gives every user a reason to be asked for again: a room change,
+    /// which may start anyone's tracking (call before publishing it).
+    pub fn room_reason(&self) {
+        self.lock().room_reason = Some(std::time::Instant::now());
+    }
+
+    /// The requests the request-loop guard refused so far.
+    pub fn loops(&self) -> Vec<String> {
+        self.lock().loops.clone()
     }
 
     /// Points `config`'s federation overrides for `servers` at this fleet.
@@ -203,8 +278,10 @@ impl MockFederation {
 impl Drop for MockFederation {
     fn drop(&mut self) {
         let named = std::mem::take(&mut self.lock().named_keys);
+        let loops = std::mem::take(&mut self.lock().loops);
         if !std::thread::panicking() {
             assert!(named.is_empty(), "requests named member keys: {named:?}");
+            assert!(loops.is_empty(), "request loop: {loops:?}");
         }
     }
 }
@@ -259,11 +336,9 @@ async fn devices(
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         *fleet.requests.entry(user_id.clone()).or_default() += 1;
         fleet.paths.push(uri.path().to_owned());
-        fleet
-            .times
-            .entry(user_id.clone())
-            .or_default()
-            .push(std::time::Instant::now());
+        let now = std::time::Instant::now();
+        fleet.guard(&user_id, now);
+        fleet.times.entry(user_id.clone()).or_default().push(now);
         let now = {
             let n = fleet.in_flight.entry(destination.clone()).or_default();
             *n += 1;

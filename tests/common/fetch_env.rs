@@ -41,6 +41,7 @@ impl Env {
         let fleet = MockFederation::trusting(&config, latency).await;
         fleet.serve(&mut config, servers.iter().copied());
         tune(&mut config);
+        fleet.guard(config.settings.retry_min);
         let worker = worker::start(config.clone()).await.expect("worker starts");
         let js = nats.js().await;
         Env {
@@ -88,13 +89,21 @@ impl Env {
         self.worker.store.connection()
     }
 
-    /// Publishes an update.
+    /// Publishes an update (a reason to fetch its user again).
     pub async fn update(&self, body: serde_json::Value) {
+        if let Some(user) = body["user_id"].as_str() {
+            self.fleet.reason(user);
+            // An update from a server in back-off ends it (SPEC §5.2).
+            if let Some((_, server)) = user.split_once(':') {
+                self.fleet.reason(server);
+            }
+        }
         publish(&self.js, "devicelist.in.update", &body.to_string(), None).await;
     }
 
-    /// Publishes a resync request.
+    /// Publishes a resync request (a reason to fetch the user again).
     pub async fn resync(&self, user: &str) {
+        self.fleet.reason(user);
         publish(
             &self.js,
             "devicelist.in.resync",

@@ -14,6 +14,7 @@ pub mod burst;
 pub mod certs;
 pub mod fetch_env;
 pub mod proxy;
+pub mod rooms;
 
 /// Our homeserver in tests.
 pub const OUR_SERVER: &str = "our.example";

@@ -1,0 +1,278 @@
+//! Rooms and fetching agree (SPEC §5.2, §5.5.4, §5.5.6, §5.5.9, §5.6.5),
+//! end to end through a real nats-server on SQLite and PostgreSQL, with the
+//! mock fleet's request-loop guard on:
+//!
+//! - a stale user that shares no room is never asked for, and is fetched
+//!   once it shares one; an update dropped for a stored user that shares
+//!   nothing is not lost;
+//! - a server parked for one user's back-off fetches a user that starts
+//!   being tracked through a member key or a sweep at once;
+//! - from the moment our server leaves a room, its members are untracked for
+//!   every decision, before the sweep removes their rows;
+//! - the RPCs refuse what is not a user id, and a resync answers for a user
+//!   that stops sharing while it waits.
+
+mod common;
+
+use std::time::Duration;
+
+use common::fetch_env::{Env, update};
+use common::rooms::{link, lists, member, query, rpc};
+use common::{Backend, read_stream};
+use device_list_updater::config::Switch;
+use device_list_updater::faults::Fault;
+use device_list_updater::store::now_ms;
+use device_list_updater::testkit::remote::Reply;
+use sea_orm::{ActiveModelTrait as _, ActiveValue::Set, EntityTrait as _};
+use serde_json::{Value, json};
+
+const ME: &str = "@me:our.example";
+const BOB: &str = "@bob:remote.example";
+const CAROL: &str = "@carol:other.example";
+const DAN: &str = "@dan:remote.example";
+const EVE: &str = "@eve:remote.example";
+const SERVERS: &[&str] = &["remote.example", "other.example"];
+const ROOM: &str = "!a:our.example";
+const OTHER_ROOM: &str = "!b:our.example";
+const BOB_KEY: &str = "@l8Hft5qXKn1vfHrg3p4-W8gELQVo8N13JkluMfmn2sQ";
+
+async fn env(backend: Backend, tune: impl FnOnce(&mut device_list_updater::config::Config)) -> Env {
+    Env::start(backend, SERVERS, Duration::ZERO, |config| {
+        config.settings.membership = Switch::On;
+        config.settings.msc4430 = Switch::On;
+        tune(config);
+    })
+    .await
+}
+
+/// Marks `user` stale in the database, as a worker with membership off left it.
+async fn stale_row(db: &sea_orm::DatabaseConnection, user: &str) {
+    let server = user.split_once(':').map(|(_, s)| s).unwrap_or_default();
+    entity::stale_user::ActiveModel {
+        user_id: Set(user.to_owned()),
+        server_name: Set(server.to_owned()),
+        marked_at_ms: Set(now_ms()),
+        trigger_stream_ids: Set("[]".into()),
+        last_error: Set(None),
+        failures: Set(0),
+        next_attempt_ms: Set(0),
+    }
+    .insert(db)
+    .await
+    .expect("a stale mark");
+}
+
+/// §5.2 (no request loop), §5.5.9: a database from before the switch-on
+/// holds BOB stored and stale, and EVE stored. Neither shares a room: BOB
+/// is never asked for, not by the start-up rescan nor by his server's job
+/// when it runs for DAN, and an update for EVE is dropped. Once they share a
+/// room, both are fetched: BOB's mark waited, and EVE's list was behind.
+async fn unshared_stale_users_wait_for_a_room(backend: Backend) {
+    let env = env(backend, |_| {}).await;
+    common::known_user(env.db(), BOB).await;
+    stale_row(env.db(), BOB).await;
+    common::known_user(env.db(), EVE).await;
+    // Started again, so the start-up rescan finds BOB's mark.
+    let env = env.restart(false).await;
+    for user in [BOB, EVE, DAN] {
+        lists(&env, user, 1);
+    }
+    env.update(update(EVE, "PHONE", 1, &[0], "Phone")).await;
+    member(&env, ROOM, ME, "join", 1).await;
+    member(&env, ROOM, DAN, "join", 2).await;
+    env.wait_fresh(DAN, 1).await;
+    env.settled().await;
+    assert_eq!(env.fleet.requests(BOB), 0, "BOB shares no room");
+    assert_eq!(env.fleet.requests(EVE), 0, "EVE shares no room");
+    assert!(env.is_stale(BOB).await, "BOB's mark waits for a room");
+    assert!(
+        env.devices(EVE).await.is_empty(),
+        "EVE's update was dropped"
+    );
+
+    member(&env, ROOM, BOB, "join", 3).await;
+    member(&env, ROOM, EVE, "join", 4).await;
+    env.wait_fresh(BOB, 1).await;
+    env.wait_fresh(EVE, 1).await;
+    assert_eq!(env.devices(EVE).await, [("PHONE".to_owned(), false)]);
+    assert!(env.fleet.loops().is_empty(), "{:?}", env.fleet.loops());
+}
+both_backends!(unshared_stale, unshared_stale_users_wait_for_a_room);
+
+/// Waits until `server`'s fetch job is parked: no failure of its own, but
+/// waiting at least a minute for a user's back-off.
+async fn wait_parked(env: &Env, server: &str) {
+    common::eventually(Duration::from_secs(20), "the job parked", || async {
+        let row = entity::fetch_server::Entity::find_by_id(server.to_owned())
+            .one(env.db())
+            .await
+            .ok()??;
+        (row.failures == 0 && row.next_attempt_ms > now_ms() + 60_000).then_some(())
+    })
+    .await;
+}
+
+/// §5.2: DAN's server answers 404 for him, so he backs off alone for an
+/// hour and the server's job is parked. BOB, who starts being tracked when
+/// his member key joins, and EVE, who starts when our server joins a room
+/// she is in (the room's sweep), are each fetched at once.
+async fn a_parked_server_fetches_new_users_at_once(backend: Backend) {
+    let env = env(backend, |config| {
+        config.settings.retry_min = Duration::from_secs(3600);
+        config.settings.retry_max = Duration::from_secs(7200);
+    })
+    .await;
+    member(&env, ROOM, ME, "join", 1).await;
+    member(&env, ROOM, DAN, "join", 2).await;
+    wait_parked(&env, "remote.example").await;
+
+    lists(&env, BOB, 1);
+    link(&env, ROOM, BOB_KEY, Some(BOB), true, 3).await;
+    common::eventually(Duration::from_secs(20), "the link stored", || async {
+        let rows = entity::member_key_link::Entity::find()
+            .all(env.db())
+            .await
+            .ok()?;
+        (!rows.is_empty()).then_some(())
+    })
+    .await;
+    env.settled().await;
+    member(&env, ROOM, BOB_KEY, "join", 4).await;
+    env.wait_fresh(BOB, 1).await;
+
+    lists(&env, EVE, 1);
+    member(&env, OTHER_ROOM, EVE, "join", 1).await;
+    member(&env, OTHER_ROOM, ME, "join", 2).await;
+    env.wait_fresh(EVE, 1).await;
+    assert_eq!(env.fleet.requests(DAN), 1, "DAN waits out his own back-off");
+}
+both_backends!(parked_server, a_parked_server_fetches_new_users_at_once);
+
+/// §5.5.4: with room sweeps held, our server leaves a room. Its members are
+/// untracked from that moment: an update for BOB is dropped (no key
+/// change), the query shows BOB and CAROL untracked with no shared room, a
+/// resync for CAROL says she shares none, and nothing of theirs is fetched.
+/// Once the sweep runs, their rows are gone.
+async fn our_leave_untracks_at_once(backend: Backend) {
+    let env = env(backend, |config| {
+        config.settings.fault = Some(Fault::HoldSweeps);
+    })
+    .await;
+    lists(&env, BOB, 1);
+    lists(&env, CAROL, 1);
+    member(&env, ROOM, ME, "join", 1).await;
+    member(&env, ROOM, BOB, "join", 2).await;
+    member(&env, ROOM, CAROL, "join", 3).await;
+    env.wait_fresh(BOB, 1).await;
+    env.wait_fresh(CAROL, 1).await;
+    env.settled().await;
+    let events = read_stream(&env.js, "KEY_CHANGE").await.len();
+
+    member(&env, ROOM, ME, "leave", 4).await;
+    env.update(update(BOB, "LAPTOP", 11, &[10], "Laptop")).await;
+    env.settled().await;
+    assert_eq!(
+        read_stream(&env.js, "KEY_CHANGE").await.len(),
+        events,
+        "the update for BOB was dropped"
+    );
+    for user in [BOB, CAROL] {
+        let view = query(&env, user).await;
+        assert_eq!(view["tracked"], false, "{user}: {view}");
+        assert_eq!(view["shared_rooms"], 0, "{user}: {view}");
+        assert_eq!(view["devices"], json!({}), "{user}: {view}");
+    }
+    env.fleet.reason(CAROL);
+    let reply = rpc(
+        &env,
+        "devicelist.rpc.resync",
+        json!({"user_id": CAROL, "timeout_ms": 5000}),
+    )
+    .await;
+    assert_eq!(reply["synced"], false, "{reply}");
+    assert_shares_no_room(&reply);
+    assert_eq!(env.fleet.requests(CAROL), 1);
+
+    let mut env = env;
+    env.config.settings.fault = None;
+    let env = env.restart(false).await;
+    common::eventually(
+        Duration::from_secs(20),
+        "the sweep removed the rows",
+        || async {
+            let bob = env.devices(BOB).await;
+            let carol = env.devices(CAROL).await;
+            (bob.is_empty() && carol.is_empty()).then_some(())
+        },
+    )
+    .await;
+}
+both_backends!(our_leave, our_leave_untracks_at_once);
+
+fn assert_shares_no_room(reply: &Value) {
+    let error = reply["error"].as_str().unwrap_or_default();
+    assert!(error.contains("shares no room"), "{reply}");
+}
+
+/// §5.6.5: the RPCs refuse an entry that is not a user id (a member key
+/// here), saying which by position and never echoing it.
+async fn rpcs_refuse_what_is_not_a_user_id(backend: Backend) {
+    let env = env(backend, |_| {}).await;
+    let reply = rpc(
+        &env,
+        "devicelist.rpc.query",
+        json!({"user_ids": [BOB, BOB_KEY]}),
+    )
+    .await;
+    assert_eq!(reply, json!({"error": "user_ids[1] is not a user id"}));
+    for user_id in [BOB_KEY, "bob"] {
+        let reply = rpc(&env, "devicelist.rpc.resync", json!({"user_id": user_id})).await;
+        assert_eq!(reply, json!({"error": "user_id is not a user id"}));
+    }
+    assert_eq!(env.fleet.total_requests(), 0);
+}
+both_backends!(rpc_refusals, rpcs_refuse_what_is_not_a_user_id);
+
+/// §5.5.6: a resync whose user stops sharing every room while the reply
+/// waits (its fetch hangs) answers `synced: false`, saying so.
+async fn resync_of_a_user_untracked_while_waiting(backend: Backend) {
+    let env = env(backend, |_| {}).await;
+    env.fleet.script(
+        BOB,
+        vec![
+            Reply::Json(device_list_updater::testkit::remote::device_list(
+                BOB,
+                10,
+                &[("PHONE", "Phone")],
+            )),
+            Reply::Hang,
+        ],
+    );
+    member(&env, ROOM, ME, "join", 1).await;
+    member(&env, ROOM, BOB, "join", 2).await;
+    env.wait_fresh(BOB, 1).await;
+    env.fleet.reason(BOB);
+    let client = env.nats.client().await;
+    let reply = tokio::spawn(async move {
+        let body = json!({"user_id": BOB, "timeout_ms": 20_000}).to_string();
+        client
+            .request("devicelist.rpc.resync", body.into())
+            .await
+            .expect("a reply")
+    });
+    common::eventually(
+        Duration::from_secs(20),
+        "the resync's fetch sent",
+        || async { (env.fleet.requests(BOB) == 2).then_some(()) },
+    )
+    .await;
+    member(&env, ROOM, BOB, "leave", 3).await;
+    let reply = tokio::time::timeout(Duration::from_secs(15), reply)
+        .await
+        .expect("answered before its timeout")
+        .expect("the request task");
+    let reply: Value = serde_json::from_slice(&reply.payload).expect("JSON");
+    assert_eq!(reply["synced"], false, "{reply}");
+    assert_shares_no_room(&reply);
+}
+both_backends!(resync_untracked, resync_of_a_user_untracked_while_waiting);
