@@ -365,7 +365,7 @@ impl Store {
     }
 
     /// How many rooms each of `users` shares with us now (absent: none;
-    /// see [`super::sharing`]).
+    /// see `store/sharing.rs`).
     pub async fn shared_rooms(
         &self,
         users: &[&str],
