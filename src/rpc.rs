@@ -241,9 +241,12 @@ impl Rpc {
         // watch. Checks start fast and slow down to 4 per second.
         let mut pause = Duration::from_millis(10);
         loop {
-            // Sharing first: a user that stopped sharing is not fetched,
-            // and its mark goes with its rows, perhaps only at its room's
-            // sweep.
+            let mark = self.store.stale_state(user).await;
+            // Sharing is read after the mark: untracking removes the mark
+            // and the sharing in one transaction, so a mark seen gone here
+            // with the user still sharing was ended by a fetch. A user that
+            // stopped sharing is not fetched, and its mark may stay until
+            // its room's sweep: it is answered for at once.
             let shares = match self.store.membership() {
                 true => self.store.shared_rooms(&[user.as_str()]).await.ok(),
                 false => None,
@@ -251,7 +254,7 @@ impl Rpc {
             if shares.is_some_and(|shared| !shared.contains_key(user)) {
                 return Ok(Requested::Untracked);
             }
-            match self.store.stale_state(user).await {
+            match mark {
                 Ok(None) => return Ok(Requested::MarkedStale),
                 Ok(Some(_)) => {}
                 Err(e) => tracing::debug!(error = %e, "resync: cannot read the stale mark"),

@@ -112,6 +112,7 @@ async fn admin_commands(backend: Backend) {
     );
 
     // A forced resync goes through the running worker: alice is asked again.
+    fleet.reason(ALICE);
     let resync = admin_json(&db, &nats, &["resync", ALICE]).await;
     assert_eq!(resync["marked_stale"], true);
     common::eventually(Duration::from_secs(20), "alice fetched again", || async {

@@ -141,25 +141,16 @@ async fn one_request_at_a_time_while_behind(
     );
 }
 
-/// Publishes `count` joins of `@u{n}:x.example` to `room`, awaiting the
-/// stream's acks a thousand at a time (async-nats lends only so many
-/// permits to acks nobody awaits).
+/// Publishes `count` joins of `@u{n}:x.example` to `room`.
 async fn publish_joins(js: &async_nats::jetstream::Context, room: &str, count: usize) {
-    for start in (0..count).step_by(1_000) {
-        let mut acks = Vec::new();
-        for n in start..count.min(start + 1_000) {
+    let joins = (0..count)
+        .map(|n| {
             let body = json!({"room_id": room, "state_key": format!("@u{n}:x.example"),
                               "membership": "join", "stream_ordering": 1_000 + n});
-            acks.push(
-                js.publish("devicelist.in.membership", body.to_string().into())
-                    .await
-                    .expect("publish"),
-            );
-        }
-        for ack in acks {
-            ack.await.expect("publish ack");
-        }
-    }
+            ("devicelist.in.membership", body.to_string())
+        })
+        .collect();
+    common::publish_many(js, joins).await;
 }
 
 /// While ingest is behind, the fan-out gives way (docs/design.md): with the

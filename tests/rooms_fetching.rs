@@ -269,3 +269,131 @@ async fn resync_of_a_user_untracked_while_waiting(backend: Backend) {
     assert_shares_no_room(&reply);
 }
 both_backends!(resync_untracked, resync_of_a_user_untracked_while_waiting);
+
+/// A member key made from `n` (`@` and 43 characters of URL-safe base64).
+fn member_key(n: usize) -> String {
+    use base64::Engine as _;
+    let mut bytes = [7_u8; 32];
+    bytes[..8].copy_from_slice(&(n as u64).to_be_bytes());
+    format!(
+        "@{}",
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+    )
+}
+
+/// `SELECT …` on PostgreSQL at `url`, one integer.
+async fn pg_count(url: &str, sql: &str) -> i64 {
+    use sea_orm::ConnectionTrait as _;
+    let db = sea_orm::Database::connect(url).await.expect("connect");
+    let statement = sea_orm::Statement::from_string(sea_orm::DbBackend::Postgres, sql);
+    let row = db
+        .query_one_raw(statement)
+        .await
+        .expect("query")
+        .expect("a row");
+    row.try_get_by_index::<i64>(0).expect("an integer")
+}
+
+/// Deadlocks PostgreSQL detected in the test's database. A backend's
+/// statistics reach `pg_stat_database` when it exits at the latest, so this
+/// waits until no other backend is connected to it.
+async fn deadlocks_once_idle(url: &str) -> i64 {
+    let others = "SELECT count(*) FROM pg_stat_activity \
+                  WHERE datname = current_database() AND pid <> pg_backend_pid()";
+    common::eventually(
+        Duration::from_secs(30),
+        "every other backend gone",
+        || async { (pg_count(url, others).await == 0).then_some(()) },
+    )
+    .await;
+    pg_count(
+        url,
+        "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .await
+}
+
+/// One lock order (docs/design.md): our server leaves a room of 3,000
+/// remote members while, for half of the same users, member-key links and
+/// joins flow in a room that stays ours, each followed by an update that
+/// makes the user stale and fetched. Sweep chunks, ingest batches and the
+/// fetch writer all lock those users: PostgreSQL detects no deadlock, and
+/// the end state is right (the keyed half tracked and fresh, the rest
+/// untracked with nothing stored).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_big_leave_beside_member_key_traffic_never_deadlocks() {
+    const MEMBERS: usize = 3_000;
+    const KEYED: usize = 1_500;
+    const SERVER_COUNT: usize = 20;
+    const BIG: &str = "!big:our.example";
+    const KEYS: &str = "!keys:our.example";
+    let servers: Vec<String> = (0..SERVER_COUNT).map(|s| format!("s{s}.example")).collect();
+    let names: Vec<&str> = servers.iter().map(String::as_str).collect();
+    let member = |i: usize| format!("@b{i}:s{}.example", i % SERVER_COUNT);
+    let env = Env::start(Backend::Postgres, &names, Duration::ZERO, |config| {
+        config.settings.membership = Switch::On;
+        config.settings.msc4430 = Switch::On;
+    })
+    .await;
+    for i in 0..MEMBERS {
+        lists(&env, &member(i), 2);
+    }
+    let membership = |room: &str, who: &str, what: &str, at: usize| {
+        let body = common::rooms::membership(room, who, what, at as i64);
+        ("devicelist.in.membership", body.to_string())
+    };
+    env.fleet.room_reason();
+    let mut joins = vec![
+        membership(BIG, ME, "join", 1),
+        membership(KEYS, ME, "join", 1),
+    ];
+    joins.extend((0..MEMBERS).map(|i| membership(BIG, &member(i), "join", 2 + i)));
+    common::publish_many(&env.js, joins).await;
+    common::eventually(Duration::from_secs(120), "every member fetched", || async {
+        let tracked = env.worker.store.tracked_user_count().await.ok()?;
+        let stale = env.worker.store.stale_user_count().await.ok()?;
+        (tracked == MEMBERS as u64 && stale == 0).then_some(())
+    })
+    .await;
+
+    env.fleet.room_reason();
+    let mut traffic = vec![membership(BIG, ME, "leave", 10_000)];
+    for i in 0..KEYED {
+        let (user, key) = (member(i), member_key(i));
+        env.fleet.reason(&user);
+        let link = json!({"room_id": KEYS, "member_key": key, "user_id": user,
+                          "verified": true, "stream_ordering": 2 + 2 * i});
+        traffic.push(("devicelist.in.member_key", link.to_string()));
+        traffic.push(membership(KEYS, &key, "join", 3 + 2 * i));
+        let stale = update(&user, "LAPTOP", 100, &[99], "Laptop");
+        traffic.push(("devicelist.in.update", stale.to_string()));
+    }
+    common::publish_many(&env.js, traffic).await;
+    env.settled().await;
+    common::eventually(
+        Duration::from_secs(120),
+        "swept, and the keyed half fresh",
+        || async {
+            let store = &env.worker.store;
+            let swept = store.rooms_to_sweep().await.ok()?.is_empty();
+            let tracked = store.tracked_user_count().await.ok()?;
+            let stale = store.stale_user_count().await.ok()?;
+            (swept && tracked == KEYED as u64 && stale == 0).then_some(())
+        },
+    )
+    .await;
+    for i in [0, KEYED - 1] {
+        assert_eq!(env.devices(&member(i)).await, [("PHONE".to_owned(), false)]);
+    }
+    for i in [KEYED, MEMBERS - 1] {
+        assert!(
+            env.devices(&member(i)).await.is_empty(),
+            "{} untracked",
+            member(i)
+        );
+    }
+    let Env { worker, db, .. } = env;
+    worker.stop(Duration::from_secs(10)).await;
+    // The database is the test's own, so every deadlock counted is ours.
+    assert_eq!(deadlocks_once_idle(&db.url).await, 0, "deadlocks detected");
+}

@@ -184,14 +184,7 @@ pub fn plan_batch(mut snapshot: Snapshot, messages: &[InputMessage], now_ms: i64
 /// until the user shares one, and it is fetched then.
 fn drop_untracked(snapshot: &mut Snapshot, plan: &mut Plan, user: &UserId, now_ms: i64) -> Outcome {
     if snapshot.users.contains_key(user) {
-        let mark = snapshot
-            .stale
-            .entry(user.to_owned())
-            .or_insert_with(|| StaleMark {
-                trigger_ids: Vec::new(),
-                marked_at_ms: now_ms,
-            });
-        plan.stale.insert(user.to_owned(), mark.clone());
+        record_stale(snapshot, plan, user, None, now_ms);
     }
     Outcome::Untracked
 }
@@ -308,6 +301,19 @@ pub(super) fn mark_stale(
     trigger: Option<i64>,
     now_ms: i64,
 ) {
+    record_stale(snapshot, plan, user, trigger, now_ms);
+    plan.fetch_servers.insert(user.server_name().to_owned());
+}
+
+/// Writes `user`'s stale mark (adding `trigger` to it), without asking for
+/// a fetch.
+fn record_stale(
+    snapshot: &mut Snapshot,
+    plan: &mut Plan,
+    user: &UserId,
+    trigger: Option<i64>,
+    now_ms: i64,
+) {
     let mark = snapshot
         .stale
         .entry(user.to_owned())
@@ -321,7 +327,6 @@ pub(super) fn mark_stale(
         mark.trigger_ids.push(id);
     }
     plan.stale.insert(user.to_owned(), mark.clone());
-    plan.fetch_servers.insert(user.server_name().to_owned());
 }
 
 #[cfg(test)]

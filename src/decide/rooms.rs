@@ -608,6 +608,97 @@ mod tests {
         assert!(!plan.rooms.shared.contains_key(&bob()));
     }
 
+    /// Bob stored and counted in room 1, which is ours (ME joined).
+    fn bob_shares_room_1() -> Snapshot {
+        let mut s = snapshot();
+        let rooms = s.rooms.as_mut().unwrap();
+        rooms.rooms.insert(
+            room(1),
+            RoomRow {
+                local_joined: 1,
+                sweep: false,
+            },
+        );
+        rooms.members.insert(
+            (room(1), Identity::parse(ME, true).unwrap()),
+            Member {
+                membership: Membership::Join,
+                stream_ordering: 1,
+            },
+        );
+        rooms.room_users.insert(
+            (room(1), bob()),
+            RoomUser {
+                joined: 1,
+                shares: true,
+            },
+        );
+        rooms.shared.insert(bob(), 1);
+        rooms.shared_now.insert(bob(), 1);
+        s.users.insert(bob(), Default::default());
+        s
+    }
+
+    fn bob_update() -> InputMessage {
+        InputMessage::Update(crate::input::DeviceListUpdate {
+            user_id: bob(),
+            device_id: "D".into(),
+            display_name: None,
+            stream_id: 5,
+            prev_ids: vec![0],
+            deleted: false,
+            keys: Some("{}".into()),
+        })
+    }
+
+    #[test]
+    fn our_leave_untracks_the_members_it_holds_at_once() {
+        let plan = plan_batch(
+            bob_shares_room_1(),
+            &[membership(1, ME, Membership::Leave, 2), bob_update()],
+            0,
+        );
+        assert!(plan.rooms.rooms[&room(1)].sweep, "the others are swept");
+        assert!(plan.rooms.untrack.contains(&bob()), "{plan:?}");
+        assert_eq!(plan.outcomes[1], Outcome::Untracked);
+        assert!(plan.events.is_empty() && plan.users.is_empty());
+        // The pair is still counted until the sweep: only its rows go.
+        assert!(!plan.rooms.room_users.contains_key(&(room(1), bob())));
+    }
+
+    #[test]
+    fn a_room_we_left_counts_for_nobody_before_its_sweep() {
+        // Room 1 left, not yet swept: Bob's pair still counted there.
+        let mut s = bob_shares_room_1();
+        let rooms = s.rooms.as_mut().unwrap();
+        rooms.rooms.get_mut(&room(1)).unwrap().local_joined = 0;
+        rooms.shared_now.remove(&bob());
+        let plan = plan_batch(s.clone(), &[bob_update()], 0);
+        assert_eq!(plan.outcomes, vec![Outcome::Untracked]);
+        // His list is behind now: marked, but nothing is fetched.
+        assert!(plan.stale.contains_key(&bob()) && plan.fetch_servers.is_empty());
+        // The sweep removes his rows: the stored count reaches zero.
+        let plan = plan_sweep(s, &room(1), &[bob()], true, 0);
+        assert!(plan.rooms.untrack.contains(&bob()));
+        assert_eq!(plan.rooms.shared.get(&bob()), Some(&0));
+    }
+
+    #[test]
+    fn a_stale_stored_user_that_starts_sharing_is_fetched() {
+        let mut s = snapshot();
+        s.users.insert(bob(), Default::default());
+        s.stale.insert(
+            bob(),
+            crate::decide::StaleMark {
+                trigger_ids: vec![],
+                marked_at_ms: 1,
+            },
+        );
+        let plan = plan_batch(s, &[join(1, ME, 1), join(1, BOB, 2)], 7);
+        assert!(plan.fetch_servers.contains(bob().server_name()));
+        assert_eq!(plan.stale[&bob()].marked_at_ms, 1, "the mark is kept");
+    }
+
     #[test]
     fn a_sweep_sets_every_pair_and_ends() {
         let mut s = snapshot();

@@ -16,6 +16,7 @@ mod rows;
 mod sharing;
 mod write;
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use migration::MigratorTrait;
@@ -29,7 +30,7 @@ use tokio::sync::oneshot;
 use crate::decide::{Plan, plan_batch};
 use crate::input::InputMessage;
 use outbox::OutboxBatch;
-use ruma::{OwnedServerName, RoomId, UserId};
+use ruma::{OwnedServerName, OwnedUserId, RoomId, UserId};
 
 /// Whether a failed connection is one that waiting cannot mend: TLS
 /// refused (a certificate that does not verify, or a server without TLS when
@@ -250,44 +251,54 @@ impl Store {
             // An error means the previous batch gave up: nothing to wait for.
             let _ = previous_locked.await;
         }
-        let txn = self.begin_write().await?;
-        // Lock keys: the users the messages name, and their rooms (room ids
-        // and user ids never collide: `!` and `@`).
-        let mut keys: Vec<&str> = messages
-            .iter()
-            .filter_map(|m| m.user_id().map(UserId::as_str))
-            .chain(
-                messages
-                    .iter()
-                    .filter_map(|m| m.room_id().map(RoomId::as_str)),
-            )
-            .collect();
-        keys.sort_unstable();
-        keys.dedup();
-        lock_users(&txn, &keys).await?;
-        let (rooms, linked) = match &self.own_server {
-            Some(own) => {
-                let (rooms, linked) = rooms::load_rooms(&txn, own, messages).await?;
-                (Some(rooms), linked)
+        // Every lock in one sorted round (docs/design.md, "One lock order"):
+        // the users the messages name, their rooms (room ids and user ids
+        // never collide: `!` and `@`), and the users that stored links of
+        // the keys they name stand for, read before locking. A link stored
+        // meanwhile for a user not locked (rare: only a batch holding the
+        // room's lock writes its links) means a new round with that user.
+        let mut linked_before: BTreeSet<OwnedUserId> = BTreeSet::new();
+        let (txn, rooms, keys) = loop {
+            let txn = self.begin_write().await?;
+            if self.own_server.is_some() {
+                linked_before.extend(rooms::linked_users(&txn, messages).await?);
             }
-            None => (None, Default::default()),
+            let mut keys: Vec<String> = messages
+                .iter()
+                .filter_map(|m| m.user_id().map(UserId::as_str))
+                .chain(
+                    messages
+                        .iter()
+                        .filter_map(|m| m.room_id().map(RoomId::as_str)),
+                )
+                .chain(linked_before.iter().map(|u| u.as_str()))
+                .map(str::to_owned)
+                .collect();
+            keys.sort_unstable();
+            keys.dedup();
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            lock_users(&txn, &refs).await?;
+            let Some(own) = &self.own_server else {
+                break (txn, None, keys);
+            };
+            let (rooms, linked) = rooms::load_rooms(&txn, own, messages).await?;
+            let locked = |u: &OwnedUserId| {
+                keys.binary_search_by(|k| k.as_str().cmp(u.as_str()))
+                    .is_ok()
+            };
+            if linked.iter().all(locked) {
+                break (txn, Some(rooms), keys);
+            }
+            linked_before.extend(linked);
+            txn.rollback().await?;
         };
-        // Users named only by stored links: locked now, before the next
-        // batch may take its locks.
-        let more: Vec<&str> = linked
-            .iter()
-            .map(|u| u.as_str())
-            .filter(|u| keys.binary_search(u).is_err())
-            .collect();
-        lock_users(&txn, &more).await?;
         if let Some(locked) = turn.locked {
             let _ = locked.send(());
         }
         let users: Vec<&str> = keys
             .iter()
-            .copied()
+            .map(String::as_str)
             .filter(|k| k.starts_with('@'))
-            .chain(more)
             .collect();
         let mut snapshot = load::snapshot(&txn, messages, &users).await?;
         if let Some(mut rooms) = rooms {

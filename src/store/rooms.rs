@@ -41,23 +41,10 @@ pub(super) async fn load_rooms<C: ConnectionTrait>(
         .iter()
         .filter_map(|m| m.user_id().map(ToOwned::to_owned))
         .collect();
-    let rooms: BTreeSet<&str> = messages
-        .iter()
-        .filter_map(|m| m.room_id().map(RoomId::as_str))
-        .collect();
+    let (rooms, identities) = named(messages);
     if rooms.is_empty() {
         return Ok((snapshot, users));
     }
-    let rooms: Vec<&str> = rooms.into_iter().collect();
-    let identities: BTreeSet<&str> = messages
-        .iter()
-        .filter_map(|m| match m {
-            InputMessage::Membership(change) => Some(change.identity.as_str()),
-            InputMessage::MemberKey(link) => Some(link.member_key.as_str()),
-            _ => None,
-        })
-        .collect();
-    let identities: Vec<&str> = identities.into_iter().collect();
     for rooms in rooms.chunks(CHUNK) {
         for row in room::Entity::find()
             .filter(room::Column::RoomId.is_in(rooms.iter().copied()))
@@ -90,29 +77,24 @@ pub(super) async fn load_rooms<C: ConnectionTrait>(
                 };
                 snapshot.members.insert((room, identity), member);
             }
-            for row in member_key_link::Entity::find()
-                .filter(member_key_link::Column::RoomId.is_in(rooms.iter().copied()))
-                .filter(member_key_link::Column::MemberKey.is_in(identities.iter().copied()))
-                .all(db)
-                .await?
-            {
-                let (Ok(room), Ok(key)) = (
-                    OwnedRoomId::try_from(row.room_id),
-                    MemberKey::parse(&row.member_key),
-                ) else {
-                    continue;
-                };
-                let user = row.user_id.and_then(|u| OwnedUserId::try_from(u).ok());
-                users.extend(user.clone());
-                let link = Link {
-                    user,
-                    erased: row.erased,
-                    verified: row.verified,
-                    stream_ordering: row.stream_ordering,
-                };
-                snapshot.links.insert((room, key), link);
-            }
         }
+    }
+    for row in stored_links(db, &rooms, &identities).await? {
+        let (Ok(room), Ok(key)) = (
+            OwnedRoomId::try_from(row.room_id),
+            MemberKey::parse(&row.member_key),
+        ) else {
+            continue;
+        };
+        let user = row.user_id.and_then(|u| OwnedUserId::try_from(u).ok());
+        users.extend(user.clone());
+        let link = Link {
+            user,
+            erased: row.erased,
+            verified: row.verified,
+            stream_ordering: row.stream_ordering,
+        };
+        snapshot.links.insert((room, key), link);
     }
     let user_ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
     for rooms in rooms.chunks(CHUNK) {
@@ -128,6 +110,67 @@ pub(super) async fn load_rooms<C: ConnectionTrait>(
         }
     }
     Ok((snapshot, users))
+}
+
+/// The rooms and the identities (user ids or member keys) `messages` name,
+/// sorted, each once.
+fn named(messages: &[InputMessage]) -> (Vec<&str>, Vec<&str>) {
+    let mut rooms = BTreeSet::new();
+    let mut identities = BTreeSet::new();
+    for message in messages {
+        match message {
+            InputMessage::Membership(change) => {
+                rooms.insert(change.room_id.as_str());
+                identities.insert(change.identity.as_str());
+            }
+            InputMessage::MemberKey(link) => {
+                rooms.insert(link.room_id.as_str());
+                identities.insert(link.member_key.as_str());
+            }
+            InputMessage::Update(_) | InputMessage::SigningKey(_) | InputMessage::Resync(_) => {}
+        }
+    }
+    (
+        rooms.into_iter().collect(),
+        identities.into_iter().collect(),
+    )
+}
+
+/// The stored links of `identities` (only keys have any) in `rooms`.
+async fn stored_links<C: ConnectionTrait>(
+    db: &C,
+    rooms: &[&str],
+    identities: &[&str],
+) -> Result<Vec<member_key_link::Model>, DbErr> {
+    let mut links = Vec::new();
+    for rooms in rooms.chunks(CHUNK) {
+        for identities in identities.chunks(CHUNK) {
+            links.extend(
+                member_key_link::Entity::find()
+                    .filter(member_key_link::Column::RoomId.is_in(rooms.iter().copied()))
+                    .filter(member_key_link::Column::MemberKey.is_in(identities.iter().copied()))
+                    .all(db)
+                    .await?,
+            );
+        }
+    }
+    Ok(links)
+}
+
+/// The users that stored links of the keys `messages` name stand for. A
+/// batch reads them before it takes any lock, so that it can lock them with
+/// the users and rooms it names in one sorted round (`docs/design.md`, "One
+/// lock order").
+pub(super) async fn linked_users<C: ConnectionTrait>(
+    db: &C,
+    messages: &[InputMessage],
+) -> Result<BTreeSet<OwnedUserId>, DbErr> {
+    let (rooms, identities) = named(messages);
+    Ok(stored_links(db, &rooms, &identities)
+        .await?
+        .into_iter()
+        .filter_map(|row| row.user_id.and_then(|u| OwnedUserId::try_from(u).ok()))
+        .collect())
 }
 
 /// Loads the shared-room counts of `users` into `snapshot`: the stored

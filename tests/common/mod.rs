@@ -120,6 +120,28 @@ pub async fn publish(js: &jetstream::Context, subject: &str, body: &str, origin:
         .expect("publish ack");
 }
 
+/// Publishes `messages` (subject, body) in order, awaiting the stream's
+/// acks a thousand at a time (async-nats lends only so many permits to acks
+/// nobody awaits).
+pub async fn publish_many(js: &jetstream::Context, messages: Vec<(&str, String)>) {
+    let mut acks = Vec::with_capacity(1_000);
+    for (subject, body) in messages {
+        acks.push(
+            js.publish(subject.to_owned(), body.into())
+                .await
+                .expect("publish"),
+        );
+        if acks.len() == 1_000 {
+            for ack in acks.drain(..) {
+                ack.await.expect("publish ack");
+            }
+        }
+    }
+    for ack in acks {
+        ack.await.expect("publish ack");
+    }
+}
+
 /// Message `seq` of `stream`, or None if it was deleted. Any other error is
 /// retried, then fails the test: a read that skipped messages on an error
 /// would let checks over the stream pass on nothing.
