@@ -349,23 +349,35 @@ async fn a_big_leave_beside_member_key_traffic_never_deadlocks() {
     ];
     joins.extend((0..MEMBERS).map(|i| membership(BIG, &member(i), "join", 2 + i)));
     common::publish_many(&env.js, joins).await;
-    common::eventually(Duration::from_secs(120), "every member fetched", || async {
+    // Every member tracked; their fetches go on beside what follows.
+    common::eventually(Duration::from_secs(120), "every member tracked", || async {
         let tracked = env.worker.store.tracked_user_count().await.ok()?;
-        let stale = env.worker.store.stale_user_count().await.ok()?;
-        (tracked == MEMBERS as u64 && stale == 0).then_some(())
+        (tracked == MEMBERS as u64).then_some(())
     })
     .await;
 
+    // The keyed half's links first, applied before anything else: the
+    // joins by key below then name their users only through stored links.
+    let links = (0..KEYED)
+        .map(|i| {
+            let link = json!({"room_id": KEYS, "member_key": member_key(i), "user_id": member(i),
+                              "verified": true, "stream_ordering": 2 + i});
+            ("devicelist.in.member_key", link.to_string())
+        })
+        .collect();
+    common::publish_many(&env.js, links).await;
+    env.settled().await;
+
+    // The leave, then each key joining beside an update (by user id) of
+    // another keyed user, so batches lock users named both ways while the
+    // sweep's chunks and the fetch writer lock the same users.
     env.fleet.room_reason();
     let mut traffic = vec![membership(BIG, ME, "leave", 10_000)];
     for i in 0..KEYED {
-        let (user, key) = (member(i), member_key(i));
-        env.fleet.reason(&user);
-        let link = json!({"room_id": KEYS, "member_key": key, "user_id": user,
-                          "verified": true, "stream_ordering": 2 + 2 * i});
-        traffic.push(("devicelist.in.member_key", link.to_string()));
-        traffic.push(membership(KEYS, &key, "join", 3 + 2 * i));
-        let stale = update(&user, "LAPTOP", 100, &[99], "Laptop");
+        traffic.push(membership(KEYS, &member_key(i), "join", 10_000 + i));
+        let other = member((i * 7 + 3) % KEYED);
+        env.fleet.reason(&other);
+        let stale = update(&other, "LAPTOP", 100 + i as i64, &[99], "Laptop");
         traffic.push(("devicelist.in.update", stale.to_string()));
     }
     common::publish_many(&env.js, traffic).await;
@@ -395,5 +407,112 @@ async fn a_big_leave_beside_member_key_traffic_never_deadlocks() {
     let Env { worker, db, .. } = env;
     worker.stop(Duration::from_secs(10)).await;
     // The database is the test's own, so every deadlock counted is ours.
+    assert_eq!(deadlocks_once_idle(&db.url).await, 0, "deadlocks detected");
+}
+
+/// `SELECT pg_advisory_xact_lock(hashtext(key))` in `txn`: the lock a
+/// writer takes for `key` (a user or room id).
+async fn advisory_lock(
+    txn: &sea_orm::DatabaseTransaction,
+    key: &str,
+) -> Result<(), sea_orm::DbErr> {
+    use sea_orm::ConnectionTrait as _;
+    let sql = format!("SELECT pg_advisory_xact_lock(hashtext('{key}'))");
+    txn.execute_unprepared(&sql).await.map(|_| ())
+}
+
+/// One lock order, the case a batch's second round made a deadlock of
+/// (docs/design.md): a batch holds an update's user V and then wants U, a
+/// user it names only through a stored link (a key joining), while a
+/// writer that follows the order (the fetch writer's one sorted round) holds
+/// U and wants V, the next in hash order. With one round per batch the
+/// batch waits for U holding nothing, and the writer gets V.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_never_holds_one_user_while_waiting_for_a_linked_one() {
+    use sea_orm::TransactionTrait as _;
+    let env = env(Backend::Postgres, |_| {}).await;
+    // U and V in the writers' order: U's lock comes first.
+    let (mut u, mut v) = (BOB.to_owned(), DAN.to_owned());
+    let order =
+        format!("SELECT CASE WHEN hashtext('{u}') < hashtext('{v}') THEN 1 ELSE 0 END::bigint");
+    if pg_count(&env.db.url, &order).await == 0 {
+        std::mem::swap(&mut u, &mut v);
+    }
+    lists(&env, &u, 1);
+    lists(&env, &v, 2);
+    member(&env, ROOM, ME, "join", 1).await;
+    member(&env, ROOM, &v, "join", 2).await;
+    link(&env, ROOM, BOB_KEY, Some(&u), true, 3).await;
+    env.wait_fresh(&v, 1).await;
+    env.settled().await;
+
+    // The writer holds U.
+    let writer = sea_orm::Database::connect(&env.db.url)
+        .await
+        .expect("connect");
+    let txn = writer.begin().await.expect("begin");
+    advisory_lock(&txn, &u).await.expect("U's lock");
+
+    // One batch: V's update, and U's key joining (U named only by the
+    // stored link). Published while no worker runs, so one pull takes both.
+    let Env {
+        nats,
+        db,
+        js,
+        worker,
+        fleet,
+        config,
+    } = env;
+    worker.stop(Duration::from_secs(10)).await;
+    let messages = vec![
+        (
+            "devicelist.in.update",
+            update(&v, "LAPTOP", 20, &[99], "Laptop").to_string(),
+        ),
+        (
+            "devicelist.in.membership",
+            common::rooms::membership(ROOM, BOB_KEY, "join", 4).to_string(),
+        ),
+    ];
+    fleet.reason(&v);
+    fleet.room_reason();
+    common::publish_many(&js, messages).await;
+    let worker = device_list_updater::worker::start(config.clone())
+        .await
+        .expect("restart");
+    let env = Env {
+        nats,
+        db,
+        js,
+        worker,
+        fleet,
+        config,
+    };
+
+    // Wait until the batch waits for U.
+    let waiting = format!(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+         AND objid::int = hashtext('{u}')"
+    );
+    common::eventually(Duration::from_secs(20), "the batch waits for U", || async {
+        (pg_count(&env.db.url, &waiting).await > 0).then_some(())
+    })
+    .await;
+    // The writer now takes V: the batch must not be holding it.
+    let second = tokio::time::timeout(Duration::from_secs(10), advisory_lock(&txn, &v))
+        .await
+        .expect("V's lock within 10 s");
+    assert!(
+        second.is_ok(),
+        "the writer's second lock failed: {second:?}"
+    );
+    txn.commit().await.expect("commit");
+
+    // The batch goes on: V is marked stale and fetched again, U fetched.
+    env.wait_fresh(&v, 2).await;
+    env.wait_fresh(&u, 1).await;
+    let Env { worker, db, .. } = env;
+    worker.stop(Duration::from_secs(10)).await;
+    drop(writer);
     assert_eq!(deadlocks_once_idle(&db.url).await, 0, "deadlocks detected");
 }

@@ -496,10 +496,18 @@ impl Store {
             crate::decide::Snapshot::default()
         };
         snapshot.rooms = Some(rooms);
-        let plan = plan_sweep(snapshot, room_id, &users, last, now_ms);
+        let mut plan = plan_sweep(snapshot, room_id, &users, last, now_ms);
         write(&txn, &plan.rooms, &own).await?;
         write::plan(&txn, &plan, now_ms).await?;
         txn.commit().await?;
+        if last && ours(Some(&row)) {
+            // Members whose pair stayed counted through a leave and a
+            // rejoin of ours before this sweep (no pair of theirs was
+            // wrong) share the room again: a stale mark one of them got
+            // meanwhile (a dropped update) asks for its fetch now.
+            plan.fetch_servers
+                .extend(super::sharing::stale_servers_counted_in(&self.db, room_id).await?);
+        }
         Ok(SweepChunk { plan, done: last })
     }
 }

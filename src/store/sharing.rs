@@ -75,3 +75,33 @@ pub(super) fn stale_user_shares_now() -> Expr {
             .to_owned(),
     )
 }
+
+/// The servers of stale users whose pair in `room` is counted as sharing.
+pub(super) async fn stale_servers_counted_in<C: ConnectionTrait>(
+    db: &C,
+    room: &ruma::RoomId,
+) -> Result<Vec<ruma::OwnedServerName>, DbErr> {
+    #[derive(FromQueryResult)]
+    struct Row {
+        server_name: String,
+    }
+    let query = Query::select()
+        .distinct()
+        .column((stale_user::Entity, stale_user::Column::ServerName))
+        .from(stale_user::Entity)
+        .inner_join(
+            room_user::Entity,
+            Expr::col((room_user::Entity, room_user::Column::UserId))
+                .equals((stale_user::Entity, stale_user::Column::UserId)),
+        )
+        .and_where(Expr::col((room_user::Entity, room_user::Column::RoomId)).eq(room.as_str()))
+        .and_where(Expr::col((room_user::Entity, room_user::Column::Shares)).eq(true))
+        .to_owned();
+    let statement = db.get_database_backend().build(&query);
+    Ok(Row::find_by_statement(statement)
+        .all(db)
+        .await?
+        .into_iter()
+        .filter_map(|row| ruma::OwnedServerName::try_from(row.server_name).ok())
+        .collect())
+}
