@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 mod fleet;
 
 use device_list_updater::config::Config;
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::server_key::ServerKey;
 use device_list_updater::testkit::remote::overrides_for;
 use device_list_updater::testkit::{
     Nats, create_postgres_database, drop_postgres_database, wait_for,
@@ -44,14 +44,14 @@ async fn fanout(
     latency: Duration,
 ) -> Outcome {
     let nats = Nats::start().await;
-    let key = SigningKey::generate().expect("key");
+    let key = ServerKey::generate().expect("key");
     let fleet::Fleet {
         mock: fleet,
         servers: names,
         users,
     } = fleet::two_device_fleet(&key, servers, per_server, latency).await;
     let mut config = Config::for_tests("our.example", &nats.url, database_url);
-    config.signing_key = key;
+    config.server_key = key;
     config.settings.federation_overrides = overrides_for(&fleet, names.iter().map(String::as_str));
     // Production settings: the benchmark measures the defaults.
     let defaults = device_list_updater::config::Settings::default();

@@ -3,6 +3,7 @@
 //! prints it as is (`--json`) or as text for people.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream;
 use ruma::OwnedUserId;
@@ -41,9 +42,31 @@ pub enum AdminError {
     Outbox(#[from] OutboxError),
 }
 
+impl AdminError {
+    /// The exit code: 2 for an argument the command does not take (as for a
+    /// configuration error), 1 for a failure on the way.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            AdminError::Argument(_) => 2,
+            AdminError::Database(_)
+            | AdminError::Bus(_)
+            | AdminError::Resync(_)
+            | AdminError::Outbox(_) => 1,
+        }
+    }
+}
+
+/// A user id given on the command line; anything else is refused, as the
+/// RPCs refuse it (SPEC §5.6.5).
+pub fn user_id(text: &str) -> Result<OwnedUserId, AdminError> {
+    OwnedUserId::try_from(text)
+        .map_err(|_| AdminError::Argument(format!("{text:?} is not a user id")))
+}
+
 /// What is stored for `users` (the same shape as the query RPC's reply).
-pub async fn user(store: &Store, users: &[String]) -> Result<Value, AdminError> {
-    let views = store.query_users(users).await?;
+pub async fn user(store: &Store, users: &[OwnedUserId]) -> Result<Value, AdminError> {
+    let users: Vec<String> = users.iter().map(ToString::to_string).collect();
+    let views = store.query_users(&users).await?;
     Ok(serde_json::to_value(QueryReply::new(&views)).unwrap_or_default())
 }
 
@@ -80,12 +103,10 @@ pub async fn resync(
     store: &Store,
     js: &jetstream::Context,
     retry_min: std::time::Duration,
-    user: &str,
+    user: &OwnedUserId,
 ) -> Result<Value, AdminError> {
-    let user = OwnedUserId::try_from(user)
-        .map_err(|e| AdminError::Argument(format!("user id {user:?}: {e}")))?;
     let queue = FetchQueue::inline(js.clone(), store.clone(), retry_min);
-    Ok(match resync::request(store, &queue, &user).await? {
+    Ok(match resync::request(store, &queue, user).await? {
         Requested::MarkedStale => {
             json!({"user_id": user, "marked_stale": true, "job_enqueued": true})
         }
@@ -130,10 +151,8 @@ pub async fn untrack_unshared(store: &Store, apply: bool) -> Result<Value, Admin
 
 /// The rooms `user` is in, whether each counts as shared, and through
 /// which identities (its user id, or member keys linked to it).
-pub async fn rooms(store: &Store, user: &str) -> Result<Value, AdminError> {
-    let user = OwnedUserId::try_from(user)
-        .map_err(|e| AdminError::Argument(format!("user id {user:?}: {e}")))?;
-    let rooms = store.rooms_of(&user).await?;
+pub async fn rooms(store: &Store, user: &OwnedUserId) -> Result<Value, AdminError> {
+    let rooms = store.rooms_of(user).await?;
     let shared = rooms.iter().filter(|r| r.shares).count();
     Ok(json!({"user_id": user, "shared_rooms": shared, "rooms": rooms}))
 }
@@ -170,51 +189,63 @@ pub async fn streams(js: &jetstream::Context) -> Result<Value, AdminError> {
     Ok(Value::Object(out))
 }
 
-/// Renders a result for people: nested keys as indented lines.
+/// Renders a result for people: nested keys as indented lines, and times
+/// (`…_at_ms` keys) as a UTC time and an age (`--json` keeps the number).
 pub fn to_text(value: &Value) -> String {
-    fn walk(value: &Value, indent: usize, out: &mut String) {
-        match value {
-            Value::Object(map) => {
-                for (key, value) in map {
-                    out.push_str(&"  ".repeat(indent));
-                    out.push_str(key);
-                    if value.is_object()
-                        || (value.is_array() && !value.as_array().is_some_and(Vec::is_empty))
-                    {
-                        out.push_str(":\n");
-                        walk(value, indent + 1, out);
-                    } else {
-                        out.push_str(": ");
-                        out.push_str(&scalar(value));
-                        out.push('\n');
-                    }
-                }
-            }
-            Value::Array(items) => {
-                for item in items {
-                    out.push_str(&"  ".repeat(indent));
-                    out.push_str("-\n");
-                    walk(item, indent + 1, out);
-                }
-            }
-            other => {
-                out.push_str(&"  ".repeat(indent));
-                out.push_str(&scalar(other));
-                out.push('\n');
-            }
-        }
-    }
-    fn scalar(value: &Value) -> String {
-        match value {
-            Value::String(s) => s.clone(),
-            Value::Null => "-".into(),
-            Value::Array(a) if a.is_empty() => "[]".into(),
-            other => other.to_string(),
-        }
-    }
     let mut out = String::new();
-    walk(value, 0, &mut out);
+    walk(value, 0, SystemTime::now(), &mut out);
     out
+}
+
+/// Appends `value` at `indent` to `out`.
+fn walk(value: &Value, indent: usize, now: SystemTime, out: &mut String) {
+    let pad = "  ".repeat(indent);
+    match value {
+        Value::Object(map) => {
+            for (key, value) in map {
+                out.push_str(&pad);
+                if let (Some(name), Some(ms)) = (key.strip_suffix("_at_ms"), value.as_i64()) {
+                    out.push_str(&format!("{name}_at: {}\n", when(ms, now)));
+                } else if value.is_object() || value.as_array().is_some_and(|a| !a.is_empty()) {
+                    out.push_str(&format!("{key}:\n"));
+                    walk(value, indent + 1, now, out);
+                } else {
+                    out.push_str(&format!("{key}: {}\n", scalar(value)));
+                }
+            }
+        }
+        Value::Array(items) => {
+            for item in items {
+                out.push_str(&format!("{pad}-\n"));
+                walk(item, indent + 1, now, out);
+            }
+        }
+        other => out.push_str(&format!("{pad}{}\n", scalar(other))),
+    }
+}
+
+/// A scalar as people read it.
+fn scalar(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        Value::Array(a) if a.is_empty() => "[]".into(),
+        other => other.to_string(),
+    }
+}
+
+/// A time in milliseconds since the epoch, for people: the UTC time to the
+/// second and how long ago it was.
+fn when(ms: i64, now: SystemTime) -> String {
+    let at = UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+    let time = humantime::format_rfc3339_seconds(at);
+    match now.duration_since(at) {
+        Ok(age) => {
+            let age = Duration::from_secs(age.as_secs());
+            format!("{time} ({} ago)", humantime::format_duration(age))
+        }
+        Err(_) => format!("{time} (in the future)"),
+    }
 }
 
 /// Publishes whatever the outbox holds now (normally the workers do this
@@ -228,6 +259,31 @@ pub async fn replay_outbox(store: &Store, js: &jetstream::Context) -> Result<Val
         Faults::default(),
         crate::metrics::Metrics::new(),
     );
-    let sent = publisher.sweep_table().await?;
+    let sent = publisher.reread_table().await?;
     Ok(json!({"published": sent}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_read_as_utc_and_age_in_text() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_796_314_928);
+        let value = json!({"users": [{"marked_at_ms": 1_796_314_628_544_i64, "user_id": "@a:b"}]});
+        let mut text = String::new();
+        walk(&value, 0, now, &mut text);
+        assert_eq!(
+            text,
+            "users:\n  -\n    marked_at: 2026-12-03T16:17:08Z (4m 59s ago)\n    user_id: @a:b\n"
+        );
+    }
+
+    #[test]
+    fn a_value_that_is_not_a_user_id_is_an_argument_error() {
+        let err = user_id("not-a-user").unwrap_err();
+        assert_eq!(err.to_string(), r#""not-a-user" is not a user id"#);
+        assert_eq!(err.exit_code(), 2);
+        assert!(user_id("@a:remote.example").is_ok());
+    }
 }

@@ -7,12 +7,14 @@
 //! * `startup`, `shutdown`, [`faults`], `metrics`, `tls`: the start-up wait,
 //!   the stop signal and drop guards, crash-test fault injection (test
 //!   builds only), the Prometheus registry, the one TLS crypto provider;
-//! * [`signing_key`]: the ed25519 key federation requests are signed with;
+//! * [`server_key`]: our server's ed25519 key, which federation requests are
+//!   signed with (not the cross-signing keys of `input::signing_key`);
 //! * [`input`]: raw JetStream messages become checked values or dead letters;
 //!   [`input::InputKind`] is the one list of input kinds;
+//! * [`key_change`]: the key-change events (SPEC §4.2);
 //! * [`decide`]: pure rules say, per update, apply or mark the user stale,
-//!   what a fetched list changes, and who shares a room with us;
-//! * [`key_change`]: the key-change events those rules produce (SPEC §4.2);
+//!   what a fetched list changes, and who shares a room with us, and
+//!   which key-change events follow;
 //! * [`config`]: every setting, typed, with its defaults (SPEC §3);
 //! * [`store`]: the plans written with sea-orm in one transaction each, with
 //!   their key-change events in an outbox;
@@ -45,8 +47,8 @@ pub mod input;
 pub mod key_change;
 pub(crate) mod metrics;
 pub(crate) mod rpc;
+pub mod server_key;
 pub(crate) mod shutdown;
-pub mod signing_key;
 pub(crate) mod startup;
 pub mod store;
 pub(crate) mod sweep;

@@ -5,8 +5,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use device_list_updater::bus::NatsConnection;
 use device_list_updater::config::{Config, LogFormat, Settings, SettingsArgs};
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::server_key::ServerKey;
+use device_list_updater::store::{Schema, Store};
 use device_list_updater::worker;
 
 /// Admin subcommands.
@@ -45,6 +47,21 @@ enum AdminCommand {
         /// The user id.
         user: String,
     },
+}
+
+impl AdminCommand {
+    /// Whether the command talks to NATS (the others read the database only).
+    fn needs_nats(&self) -> bool {
+        match self {
+            AdminCommand::Resync { .. } | AdminCommand::Streams | AdminCommand::ReplayOutbox => {
+                true
+            }
+            AdminCommand::User { .. }
+            | AdminCommand::Stale { .. }
+            | AdminCommand::UntrackUnshared { .. }
+            | AdminCommand::Rooms { .. } => false,
+        }
+    }
 }
 
 /// Keeps a Matrix homeserver's copy of remote users' device lists up to date.
@@ -106,7 +123,14 @@ fn main() -> ExitCode {
         Err(e) => return fail(2, &format!("configuration: {e}")),
     };
     let log_format = settings.as_ref().map_or(LogFormat::Text, |s| s.log_format);
-    let telemetry = match device_list_updater::telemetry::Telemetry::init(log_format) {
+    // An admin command's answer stands alone: only warnings and errors on
+    // stderr unless RUST_LOG asks for more.
+    let default_level = match cli.command {
+        Command::Admin { .. } => "warn",
+        Command::Run { .. } | Command::Migrate { .. } | Command::GenerateKey { .. } => "info",
+    };
+    let telemetry = match device_list_updater::telemetry::Telemetry::init(log_format, default_level)
+    {
         Ok(telemetry) => telemetry,
         Err(e) => return fail(2, &e.to_string()),
     };
@@ -132,20 +156,13 @@ fn main() -> ExitCode {
 
 async fn admin(settings: &Settings, json: bool, command: AdminCommand) -> ExitCode {
     use device_list_updater::admin;
-    let store = match worker::open_store(&settings.database_url, Duration::from_secs(10)).await {
+    let store = match admin_store(settings).await {
         Ok(store) => store,
-        Err(e) => return fail(2, &e.to_string()),
+        Err(code) => return code,
     };
-    let store = match (&settings.server_name, settings.membership.is_on()) {
-        (Some(server), true) => store.with_membership(server.clone()),
-        _ => store,
-    };
-    let needs_nats = matches!(
-        command,
-        AdminCommand::Resync { .. } | AdminCommand::Streams | AdminCommand::ReplayOutbox
-    );
-    let js = if needs_nats {
-        match device_list_updater::bus::connect(&settings.nats(), Duration::from_secs(10)).await {
+    let js = if command.needs_nats() {
+        let nats = NatsConnection::from_settings(settings);
+        match device_list_updater::bus::connect(&nats, settings.startup_timeout).await {
             Ok(client) => Some(async_nats::jetstream::new(client)),
             Err(e) => return fail(2, &e.to_string()),
         }
@@ -153,18 +170,28 @@ async fn admin(settings: &Settings, json: bool, command: AdminCommand) -> ExitCo
         None
     };
     let result = match (command, js.as_ref()) {
-        (AdminCommand::User { users }, _) => admin::user(&store, &users).await,
+        (AdminCommand::User { users }, _) => match ids(&users) {
+            Ok(users) => admin::user(&store, &users).await,
+            Err(e) => Err(e),
+        },
         (AdminCommand::Stale { server }, _) => admin::stale(&store, server.as_deref()).await,
-        (AdminCommand::Resync { user }, Some(js)) => {
-            admin::resync(&store, js, settings.retry_min, &user).await
-        }
+        (AdminCommand::Resync { user }, Some(js)) => match admin::user_id(&user) {
+            Ok(user) => admin::resync(&store, js, settings.retry_min, &user).await,
+            Err(e) => Err(e),
+        },
         (AdminCommand::Streams, Some(js)) => admin::streams(js).await,
         (AdminCommand::ReplayOutbox, Some(js)) => admin::replay_outbox(&store, js).await,
         (AdminCommand::UntrackUnshared { apply }, _) => {
             admin::untrack_unshared(&store, apply).await
         }
-        (AdminCommand::Rooms { user }, _) => admin::rooms(&store, &user).await,
-        _ => Err(admin::AdminError::Argument(
+        (AdminCommand::Rooms { user }, _) => match admin::user_id(&user) {
+            Ok(user) => admin::rooms(&store, &user).await,
+            Err(e) => Err(e),
+        },
+        (
+            AdminCommand::Resync { .. } | AdminCommand::Streams | AdminCommand::ReplayOutbox,
+            None,
+        ) => Err(admin::AdminError::Argument(
             "NATS is needed for this command".into(),
         )),
     };
@@ -177,7 +204,45 @@ async fn admin(settings: &Settings, json: bool, command: AdminCommand) -> ExitCo
             print!("{}", admin::to_text(&value));
             ExitCode::SUCCESS
         }
-        Err(e) => fail(1, &e.to_string()),
+        Err(e) => fail(e.exit_code(), &e.to_string()),
+    }
+}
+
+/// The user ids of an admin command, each checked.
+fn ids(users: &[String]) -> Result<Vec<ruma::OwnedUserId>, device_list_updater::admin::AdminError> {
+    users
+        .iter()
+        .map(|user| device_list_updater::admin::user_id(user))
+        .collect()
+}
+
+/// The store the admin commands read, without migrating: only `run` and
+/// `migrate` change the schema (an operator reading with a newer binary
+/// during a rolling upgrade must not change it under the running workers).
+/// A database whose schema is behind or ahead of this binary is refused.
+async fn admin_store(settings: &Settings) -> Result<Store, ExitCode> {
+    let tracking = settings
+        .tracking()
+        .map_err(|e| fail(2, &format!("configuration: {e}")))?;
+    let store = Store::connect_within(&settings.database_url, settings.startup_timeout)
+        .await
+        .map_err(|e| fail(2, &format!("cannot connect to the database: {e}")))?;
+    match store.schema().await {
+        Ok(Schema::Current) => Ok(store.with_tracking(tracking)),
+        Ok(Schema::Behind { pending }) => Err(fail(
+            2,
+            &format!(
+                "the database schema is behind this binary ({pending} migration(s) not applied): run `device-list-updater migrate` first"
+            ),
+        )),
+        Ok(Schema::Ahead { unknown }) => Err(fail(
+            2,
+            &format!(
+                "the database schema is newer than this binary (migrations it does not know: {}): use the binary that ran `migrate`",
+                unknown.join(", ")
+            ),
+        )),
+        Err(e) => Err(fail(2, &format!("cannot read the database schema: {e}"))),
     }
 }
 
@@ -188,7 +253,7 @@ fn fail(code: u8, line: &str) -> ExitCode {
 }
 
 fn generate_key(path: &std::path::Path) -> ExitCode {
-    let written = SigningKey::generate().and_then(|key| key.write_new(path).map(|()| key));
+    let written = ServerKey::generate().and_then(|key| key.write_new(path).map(|()| key));
     match written {
         Ok(key) => {
             println!("{}", key.key_id());
@@ -199,7 +264,7 @@ fn generate_key(path: &std::path::Path) -> ExitCode {
 }
 
 async fn migrate(settings: &Settings) -> ExitCode {
-    match worker::open_store(&settings.database_url, Duration::from_secs(30)).await {
+    match worker::open_store(&settings.database_url, settings.startup_timeout).await {
         Ok(_) => {
             tracing::info!("migrations applied");
             ExitCode::SUCCESS

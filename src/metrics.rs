@@ -49,12 +49,55 @@ struct Inner {
     /// Users untracked because they share no room with us any more.
     users_untracked: IntCounter,
     /// Scrape-time gauges.
+    gauges: Gauges,
+}
+
+/// The gauges set at scrape time from the shared state ([`SharedState`]).
+struct Gauges {
     tracked_users: IntGauge,
     stale_users: IntGauge,
     outbox_backlog: IntGauge,
     fetch_jobs_pending: IntGauge,
     users_backing_off: IntGauge,
     servers_backing_off: IntGauge,
+}
+
+impl Gauges {
+    /// The gauges, registered in `r`.
+    fn new(r: &Registry) -> Gauges {
+        Gauges {
+            tracked_users: gauge(
+                r,
+                "dlu_tracked_users",
+                "Remote users sharing a room with us (membership on; whole deployment).",
+            ),
+            stale_users: gauge(
+                r,
+                "dlu_stale_users",
+                "Users marked stale (whole deployment).",
+            ),
+            outbox_backlog: gauge(
+                r,
+                "dlu_outbox_backlog",
+                "Outbox rows (transactions) not yet published (whole deployment).",
+            ),
+            fetch_jobs_pending: gauge(
+                r,
+                "dlu_fetch_jobs_pending",
+                "Fetch jobs queued or in back-off in DEVICE_LIST_FETCH.",
+            ),
+            users_backing_off: gauge(
+                r,
+                "dlu_users_backing_off",
+                "Stale users in their own back-off after unusable answers (whole deployment).",
+            ),
+            servers_backing_off: gauge(
+                r,
+                "dlu_servers_backing_off",
+                "Remote servers in back-off after their own failures (whole deployment).",
+            ),
+        }
+    }
 }
 
 /// The shared state the scrape-time gauges show (None: not read this time,
@@ -178,42 +221,13 @@ impl Metrics {
                 "dlu_users_untracked_total",
                 "Users untracked because they stopped sharing every room with us.",
             ),
-            tracked_users: gauge(
-                &r,
-                "dlu_tracked_users",
-                "Remote users sharing a room with us (membership on; whole deployment).",
-            ),
-            stale_users: gauge(
-                &r,
-                "dlu_stale_users",
-                "Users marked stale (whole deployment).",
-            ),
-            outbox_backlog: gauge(
-                &r,
-                "dlu_outbox_backlog",
-                "Outbox rows (transactions) not yet published (whole deployment).",
-            ),
-            fetch_jobs_pending: gauge(
-                &r,
-                "dlu_fetch_jobs_pending",
-                "Fetch jobs queued or in back-off in DEVICE_LIST_FETCH.",
-            ),
             wakeups: counter_vec(
                 &r,
                 "dlu_fetch_wakeups_total",
                 "Waiting fetch jobs started early, by reason.",
                 &["reason"],
             ),
-            users_backing_off: gauge(
-                &r,
-                "dlu_users_backing_off",
-                "Stale users in their own back-off after unusable answers (whole deployment).",
-            ),
-            servers_backing_off: gauge(
-                &r,
-                "dlu_servers_backing_off",
-                "Remote servers in back-off after their own failures (whole deployment).",
-            ),
+            gauges: Gauges::new(&r),
             registry: r,
         };
         Metrics {
@@ -291,12 +305,18 @@ impl Metrics {
                 gauge.set(i64::try_from(v).unwrap_or(i64::MAX));
             }
         };
-        set(&self.inner.tracked_users, state.tracked_users);
-        set(&self.inner.stale_users, state.stale_users);
-        set(&self.inner.outbox_backlog, state.outbox_backlog);
-        set(&self.inner.fetch_jobs_pending, state.fetch_jobs);
-        set(&self.inner.users_backing_off, state.users_backing_off);
-        set(&self.inner.servers_backing_off, state.servers_backing_off);
+        set(&self.inner.gauges.tracked_users, state.tracked_users);
+        set(&self.inner.gauges.stale_users, state.stale_users);
+        set(&self.inner.gauges.outbox_backlog, state.outbox_backlog);
+        set(&self.inner.gauges.fetch_jobs_pending, state.fetch_jobs);
+        set(
+            &self.inner.gauges.users_backing_off,
+            state.users_backing_off,
+        );
+        set(
+            &self.inner.gauges.servers_backing_off,
+            state.servers_backing_off,
+        );
     }
 
     /// The text exposition of every metric.

@@ -31,12 +31,13 @@ pub struct Telemetry {
 }
 
 impl Telemetry {
-    /// Sets up logging and, if configured, trace export. Call once.
-    pub fn init(log_format: LogFormat) -> Result<Telemetry, TelemetryError> {
+    /// Sets up logging (at `default_level` unless `RUST_LOG` says
+    /// otherwise) and, if configured, trace export. Call once.
+    pub fn init(log_format: LogFormat, default_level: &str) -> Result<Telemetry, TelemetryError> {
         // The OTLP client is a reqwest client too: it needs the TLS provider.
         crate::tls::install_crypto_provider();
         let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
         let logs = match log_format {
             LogFormat::Text => tracing_subscriber::fmt::layer()
                 .with_writer(std::io::stderr)

@@ -6,14 +6,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
+use ruma::OwnedServerName;
 use sea_orm::DbErr;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
-use crate::bus::publisher::Publisher;
+use crate::bus::publisher::{OutboxHandle, Publisher};
 use crate::bus::{self, BusError, fetch_jobs, lease, streams};
-use crate::config::Config;
-use crate::fetch::federation::{ClientError, FederationClient, FederationSettings};
+use crate::config::{Config, Settings};
+use crate::faults::Faults;
+use crate::fetch::error::ClientError;
+use crate::fetch::federation::{FederationClient, FederationSettings};
 use crate::fetch::give_way::IngestBacklog;
 use crate::fetch::jobs::Fetcher;
 use crate::fetch::queue::FetchQueue;
@@ -22,9 +25,10 @@ use crate::fetch::wake::Wakeups;
 use crate::fetch::writer::FetchWriter;
 use crate::http::{self, Health};
 use crate::ingest::Ingest;
+use crate::input::Tracking;
 use crate::metrics::Metrics;
+use crate::server_key::KeyError;
 use crate::shutdown::{Shutdown, ShutdownTrigger};
-use crate::signing_key::KeyError;
 use crate::store::Store;
 
 /// Why the worker could not start. All of these exit with code 2.
@@ -83,27 +87,255 @@ pub async fn open_store(url: &str, wait: Duration) -> Result<Store, StartError> 
     Ok(store)
 }
 
-/// Starts a worker.
+/// What the worker connects to and sets up before any task starts; any
+/// failure here stops the start (exit 2).
+struct Connected {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    store: Store,
+    instance_id: String,
+    /// One pull consumer per input stream, with the stream's name.
+    inputs: Vec<(String, jetstream::consumer::PullConsumer)>,
+    fetch_consumer: jetstream::consumer::PullConsumer,
+    federation: Arc<FederationClient>,
+    leases: jetstream::kv::Store,
+    listener: TcpListener,
+    http_addr: SocketAddr,
+    warnings: Vec<String>,
+}
+
+/// Starts a worker: connects, then starts its tasks, in this order.
 pub async fn start(config: Config) -> Result<Running, StartError> {
-    let Config {
-        server_name,
-        signing_key,
-        settings,
-    } = config;
-    let faults = settings.faults();
-    let client = bus::connect(&settings.nats(), settings.startup_timeout).await?;
-    let store = open_store(&settings.database_url, settings.startup_timeout).await?;
-    let store = match settings.membership.is_on() {
-        true => store.with_membership(server_name.clone()),
-        false => store,
+    let tracking = config.settings.tracking_for(&config.server_name);
+    let connected = connect(&config, tracking.clone()).await?;
+    let (trigger, shutdown) = Shutdown::new();
+    let mut tasks = Tasks {
+        set: JoinSet::new(),
+        shutdown,
+        metrics: Metrics::new(),
+        faults: config.settings.faults(),
+        store: connected.store.clone(),
+        js: connected.js.clone(),
     };
+    let settings = &config.settings;
+    let Connected {
+        client,
+        instance_id,
+        inputs,
+        fetch_consumer,
+        federation,
+        leases,
+        listener,
+        http_addr,
+        warnings,
+        ..
+    } = connected;
+    tasks.health_listener(listener, client.clone(), federation.clone(), warnings);
+    let (publisher, outbox) = tasks.outbox_publisher(instance_id);
+    let backlog = IngestBacklog::new(settings.fetch_concurrency);
+    let queue = tasks.fetching(
+        settings,
+        federation,
+        fetch_consumer,
+        outbox.clone(),
+        backlog.clone(),
+    );
+    tasks
+        .rpc(client, &config.server_name, queue.clone())
+        .await?;
+    tasks.startup_rescan(queue.clone(), settings.startup_spread);
+    let sweeps = Arc::new(tokio::sync::Notify::new());
+    if tracking.by_rooms() {
+        tasks.room_sweeps(queue.clone(), sweeps.clone());
+    }
+    let ingest = Ingest {
+        js: tasks.js.clone(),
+        store: tasks.store.clone(),
+        own_server: config.server_name.clone(),
+        subjects: settings.input_subjects(),
+        batch_size: settings.batch_size,
+        max_deliver: settings.max_deliver,
+        outbox,
+        faults: tasks.faults,
+        leases,
+        lease_ttl: settings.lease_ttl,
+        ack_wait: settings.ack_wait,
+        metrics: tasks.metrics.clone(),
+        queue,
+        tracking,
+        sweeps,
+        backlog,
+    };
+    tasks.ingest(ingest, inputs);
+    // Last: it ends after every outbox handle (ingest, the fetch writer) has
+    // gone, so it publishes what they handed over before the worker stops.
+    tasks.set.spawn(publisher.run());
+    tracing::info!(%http_addr, server_name = %config.server_name, "worker started");
+    Ok(Running {
+        shutdown: trigger,
+        tasks: tasks.set,
+        http_addr,
+        store: tasks.store,
+    })
+}
+
+/// The worker's tasks as they are started, and what they all share.
+struct Tasks {
+    set: JoinSet<()>,
+    shutdown: Shutdown,
+    metrics: Metrics,
+    faults: Faults,
+    store: Store,
+    js: jetstream::Context,
+}
+
+impl Tasks {
+    /// The health and metrics listener (SPEC §7).
+    fn health_listener(
+        &mut self,
+        listener: TcpListener,
+        nats: async_nats::Client,
+        federation: Arc<FederationClient>,
+        warnings: Vec<String>,
+    ) {
+        let health = Health {
+            nats,
+            js: self.js.clone(),
+            store: self.store.clone(),
+            metrics: self.metrics.clone(),
+            federation,
+            warnings: Arc::new(warnings),
+        };
+        self.set
+            .spawn(http::serve(listener, health, self.shutdown.clone()));
+    }
+
+    /// The outbox publisher (not started yet) and the handle its writers
+    /// hand committed events to.
+    fn outbox_publisher(&self, instance_id: String) -> (Publisher, OutboxHandle) {
+        Publisher::new(
+            self.store.clone(),
+            self.js.clone(),
+            instance_id,
+            self.faults,
+            self.metrics.clone(),
+        )
+    }
+
+    /// Fetching: the fetch writer (it ends once the fetcher, its last
+    /// handle, has stopped and what it handed over is stored), the fetcher
+    /// running fetch jobs, and the wake-ups running a parked server's job
+    /// when a path says it may be up. Returns the one way into the queue.
+    fn fetching(
+        &mut self,
+        settings: &Settings,
+        federation: Arc<FederationClient>,
+        consumer: jetstream::consumer::PullConsumer,
+        outbox: OutboxHandle,
+        backlog: IngestBacklog,
+    ) -> FetchQueue {
+        let (writer, writer_task) =
+            FetchWriter::new(self.store.clone(), settings.max_devices, outbox);
+        self.set.spawn(writer_task);
+        let fetcher = Fetcher {
+            js: self.js.clone(),
+            store: self.store.clone(),
+            client: federation,
+            policy: RetryPolicy {
+                min: settings.retry_min,
+                max: settings.retry_max,
+            },
+            concurrency: settings.fetch_concurrency,
+            writer,
+            ack_wait: settings.ack_wait,
+            metrics: self.metrics.clone(),
+            backlog,
+        };
+        self.set.spawn(fetcher.run(consumer, self.shutdown.clone()));
+        let wakeups = Wakeups::default();
+        self.set.spawn(wakeups.clone().run(
+            self.store.clone(),
+            self.js.clone(),
+            settings.retry_min,
+            self.metrics.clone(),
+            self.shutdown.clone(),
+        ));
+        FetchQueue::new(self.js.clone(), wakeups)
+    }
+
+    /// The request-reply subjects (SPEC §4.4).
+    async fn rpc(
+        &mut self,
+        client: async_nats::Client,
+        own_server: &OwnedServerName,
+        queue: FetchQueue,
+    ) -> Result<(), BusError> {
+        let rpc = crate::rpc::Rpc {
+            client,
+            store: self.store.clone(),
+            own_server: own_server.clone(),
+            queue,
+        };
+        let subscribed = rpc.subscribe().await?;
+        self.set.spawn(subscribed.run(self.shutdown.clone()));
+        Ok(())
+    }
+
+    /// The start-up rescan of users still stale (SPEC §5.2).
+    fn startup_rescan(&mut self, queue: FetchQueue, spread: Duration) {
+        self.set.spawn(rescan_stale(
+            queue,
+            self.store.clone(),
+            spread,
+            self.shutdown.clone(),
+        ));
+    }
+
+    /// Room sweeps (SPEC §5.5.5), woken by ingest through `wake`.
+    fn room_sweeps(&mut self, queue: FetchQueue, wake: Arc<tokio::sync::Notify>) {
+        let sweeper = crate::sweep::Sweeper {
+            store: self.store.clone(),
+            queue,
+            wake,
+            metrics: self.metrics.clone(),
+            faults: self.faults,
+        };
+        self.set.spawn(sweeper.run(self.shutdown.clone()));
+    }
+
+    /// Ingest: one loop per input stream.
+    fn ingest(&mut self, ingest: Ingest, inputs: Vec<(String, jetstream::consumer::PullConsumer)>) {
+        for (stream, consumer) in inputs {
+            self.set
+                .spawn(ingest.clone().run(stream, consumer, self.shutdown.clone()));
+        }
+    }
+}
+
+/// Connects to NATS and the database (waiting up to `startup_timeout`),
+/// sets up the streams, consumers, lease bucket and federation client, and
+/// binds the health listener.
+async fn connect(config: &Config, tracking: Tracking) -> Result<Connected, StartError> {
+    let settings = &config.settings;
+    let client = bus::connect(
+        &bus::NatsConnection::from_settings(settings),
+        settings.startup_timeout,
+    )
+    .await?;
+    let store = open_store(&settings.database_url, settings.startup_timeout)
+        .await?
+        .with_tracking(tracking);
     let instance_id = store.instance_id().await.map_err(StartError::Database)?;
     let js = jetstream::new(client.clone());
-    let subjects = settings.input_subjects();
     let streams::Ensured {
         inputs,
         mut warnings,
-    } = streams::ensure_all(&js, &subjects.all(), settings.stream_replicas).await?;
+    } = streams::ensure_all(
+        &js,
+        &settings.input_subjects().all(),
+        settings.stream_replicas,
+    )
+    .await?;
     let consumer_settings = streams::InputConsumerSettings {
         max_deliver: settings.max_deliver,
         max_ack_pending: (settings.batch_size * 4).max(1000) as i64,
@@ -117,8 +349,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     }
     let fetch_consumer = fetch_jobs::consumer(&js, settings.ack_wait).await?;
     let federation = FederationClient::new(FederationSettings {
-        origin: server_name.clone(),
-        key: signing_key.key_pair()?,
+        origin: config.server_name.clone(),
+        key: config.server_key.key_pair()?,
         overrides: settings.federation_overrides.clone(),
         timeout: settings.federation_timeout,
     })?;
@@ -135,113 +367,18 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let http_addr = listener
         .local_addr()
         .map_err(|e| StartError::Http(settings.http_addr, e))?;
-
-    let (trigger, shutdown) = Shutdown::new();
-    let mut tasks = JoinSet::new();
-    let metrics = Metrics::new();
-    let federation = Arc::new(federation);
-    let health = Health {
-        nats: client.clone(),
-        js: js.clone(),
-        store: store.clone(),
-        metrics: metrics.clone(),
-        federation: federation.clone(),
-        warnings: Arc::new(warnings),
-    };
-    tasks.spawn(http::serve(listener, health, shutdown.clone()));
-    let (publisher, outbox) = Publisher::new(
-        store.clone(),
-        js.clone(),
-        instance_id,
-        faults,
-        metrics.clone(),
-    );
-    let (writer, writer_task) =
-        FetchWriter::new(store.clone(), settings.max_devices, outbox.clone());
-    // Ends once the fetcher (its last handle) has stopped and what it
-    // handed over is stored.
-    tasks.spawn(writer_task);
-    let backlog = IngestBacklog::new(settings.fetch_concurrency);
-    let fetcher = Fetcher {
-        js: js.clone(),
-        store: store.clone(),
-        client: federation,
-        policy: RetryPolicy {
-            min: settings.retry_min,
-            max: settings.retry_max,
-        },
-        concurrency: settings.fetch_concurrency,
-        writer,
-        ack_wait: settings.ack_wait,
-        metrics: metrics.clone(),
-        backlog: backlog.clone(),
-    };
-    tasks.spawn(fetcher.run(fetch_consumer, shutdown.clone()));
-    let wakeups = Wakeups::default();
-    tasks.spawn(wakeups.clone().run(
-        store.clone(),
-        js.clone(),
-        settings.retry_min,
-        metrics.clone(),
-        shutdown.clone(),
-    ));
-    let queue = FetchQueue::new(js.clone(), wakeups);
-    let rpc = crate::rpc::Rpc {
-        client: client.clone(),
-        store: store.clone(),
-        own_server: server_name.clone(),
-        queue: queue.clone(),
-    };
-    let rpc = rpc.subscribe().await?;
-    tasks.spawn(rpc.run(shutdown.clone()));
-    tasks.spawn(rescan_stale(
-        queue.clone(),
-        store.clone(),
-        settings.startup_spread,
-        shutdown.clone(),
-    ));
-    let sweeps = Arc::new(tokio::sync::Notify::new());
-    if settings.membership.is_on() {
-        let sweeper = crate::sweep::Sweeper {
-            store: store.clone(),
-            queue: queue.clone(),
-            wake: sweeps.clone(),
-            metrics: metrics.clone(),
-            faults,
-        };
-        tasks.spawn(sweeper.run(shutdown.clone()));
-    }
-    let ingest = Ingest {
-        js: js.clone(),
-        store: store.clone(),
-        own_server: server_name.clone(),
-        subjects,
-        batch_size: settings.batch_size,
-        max_deliver: settings.max_deliver,
-        outbox,
-        faults,
-        leases,
-        lease_ttl: settings.lease_ttl,
-        ack_wait: settings.ack_wait,
-        metrics,
-        queue,
-        membership: settings.membership.is_on(),
-        member_keys: settings.msc4430.is_on(),
-        sweeps,
-        backlog,
-    };
-    for (stream, consumer) in consumers {
-        tasks.spawn(ingest.clone().run(stream, consumer, shutdown.clone()));
-    }
-    // Ends after the ingest loops and the fetch writer (the last outbox
-    // handles) have stopped.
-    tasks.spawn(publisher.run());
-    tracing::info!(%http_addr, %server_name, "worker started");
-    Ok(Running {
-        shutdown: trigger,
-        tasks,
-        http_addr,
+    Ok(Connected {
+        client,
+        js,
         store,
+        instance_id,
+        inputs: consumers,
+        fetch_consumer,
+        federation: Arc::new(federation),
+        leases,
+        listener,
+        http_addr,
+        warnings,
     })
 }
 

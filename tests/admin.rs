@@ -18,16 +18,32 @@ fn uid(user: &str) -> ruma::OwnedUserId {
     ruma::OwnedUserId::try_from(user).unwrap()
 }
 
-async fn admin(db: &TestDb, nats: &Nats, args: &[&str]) -> (bool, String) {
-    let output = tokio::process::Command::new(common::binary())
-        .arg("admin")
+/// Runs `device-list-updater <args>` against `db` and `nats`, as an
+/// operator does: no `RUST_LOG`.
+async fn command(db: &TestDb, nats: &Nats, args: &[&str]) -> std::process::Output {
+    tokio::process::Command::new(common::binary())
         .args(args)
         .env("DLU_DATABASE_URL", &db.url)
         .env("DLU_NATS_URL", &nats.url)
-        .env("RUST_LOG", "warn")
+        .env("DLU_STARTUP_TIMEOUT", "10s")
+        .env_remove("RUST_LOG")
         .output()
         .await
-        .expect("runs");
+        .expect("runs")
+}
+
+async fn admin(db: &TestDb, nats: &Nats, args: &[&str]) -> (bool, String) {
+    let mut all = vec!["admin"];
+    all.extend_from_slice(args);
+    let output = command(db, nats, &all).await;
+    // The answer stands alone: nothing on stderr unless RUST_LOG asks.
+    if output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.is_empty(),
+            "admin {args:?} wrote on stderr: {stderr}"
+        );
+    }
     (
         output.status.success(),
         String::from_utf8_lossy(&output.stdout).into_owned(),
@@ -93,6 +109,18 @@ async fn admin_commands(backend: Backend) {
     assert_eq!(stale["servers"]["down.example"], 1);
     let stale = admin_json(&db, &nats, &["stale", "--server", "down.example"]).await;
     assert_eq!(stale["users"][0]["user_id"], BOB);
+    assert!(stale["users"][0]["marked_at_ms"].is_i64(), "{stale}");
+    // For people: a UTC time and an age; --json keeps the number.
+    let (ok, text) = admin(&db, &nats, &["stale", "--server", "down.example"]).await;
+    let marked = text
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("marked_at: "))
+        .unwrap_or_else(|| panic!("no marked_at line: {text}"));
+    assert!(
+        ok && marked.ends_with(" ago)") && marked.contains('T') && marked.contains("Z ("),
+        "{text}"
+    );
+    assert!(!text.contains("marked_at_ms"), "{text}");
     assert!(
         stale["users"][0]["last_error"]
             .as_str()
@@ -137,3 +165,62 @@ async fn admin_commands(backend: Backend) {
     assert_eq!(again["published"], 0, "nothing is published twice");
 }
 both_backends!(commands, admin_commands);
+
+/// A value that is not a user id is refused with exit 2 and one line, as the
+/// RPCs refuse it (SPEC §5.6.5), by every command that takes one.
+async fn admin_refuses_what_is_not_a_user_id(backend: Backend) {
+    let nats = Nats::start().await;
+    let db = TestDb::new(backend).await;
+    let migrated = command(&db, &nats, &["migrate"]).await;
+    assert!(migrated.status.success(), "{migrated:?}");
+    for args in [
+        &["admin", "user", "not-a-user"][..],
+        &["admin", "user", ALICE, "bob"],
+        &["admin", "rooms", "!room:our.example"],
+        &["admin", "resync", "@"],
+    ] {
+        let output = command(&db, &nats, args).await;
+        common::one_line_error(&output, &["is not a user id"]);
+        assert!(output.stdout.is_empty(), "{args:?}: {output:?}");
+    }
+}
+both_backends!(refusals, admin_refuses_what_is_not_a_user_id);
+
+/// Only `run` and `migrate` change the schema. An `admin` command against a
+/// database that is behind (never migrated here) or ahead (a newer binary
+/// migrated it) is refused with one line naming `migrate`, and changes
+/// nothing.
+async fn admin_never_migrates(backend: Backend) {
+    use sea_orm::ConnectionTrait as _;
+    let nats = Nats::start().await;
+    let db = TestDb::new(backend).await;
+    let output = command(&db, &nats, &["admin", "user", ALICE]).await;
+    common::one_line_error(&output, &["behind", "migrate"]);
+    let store = device_list_updater::store::Store::connect(&db.url)
+        .await
+        .unwrap();
+    let manager = migration::SchemaManager::new(store.connection());
+    for table in ["seaql_migrations", "remote_user"] {
+        assert!(
+            !manager.has_table(table).await.unwrap(),
+            "admin created {table}"
+        );
+    }
+
+    let migrated = command(&db, &nats, &["migrate"]).await;
+    assert!(migrated.status.success(), "{migrated:?}");
+    let user = admin_json(&db, &nats, &["user", ALICE]).await;
+    assert_eq!(user["users"][ALICE]["tracked"], false);
+
+    // A migration this binary does not know: a newer binary ran `migrate`.
+    store
+        .connection()
+        .execute_unprepared(
+            "INSERT INTO seaql_migrations (version, applied_at) VALUES ('m29990101_000001_future', 0)",
+        )
+        .await
+        .unwrap();
+    let output = command(&db, &nats, &["admin", "stale"]).await;
+    common::one_line_error(&output, &["newer", "m29990101_000001_future", "migrate"]);
+}
+both_backends!(no_migrations, admin_never_migrates);

@@ -6,7 +6,7 @@ mod common;
 use std::process::Output;
 use std::time::Duration;
 
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::server_key::ServerKey;
 use tokio::process::Command;
 
 async fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
@@ -24,26 +24,15 @@ async fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
         .expect("runs")
 }
 
-fn one_line_error(output: &Output, needle: &str) {
-    assert_eq!(output.status.code(), Some(2), "{output:?}");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let lines: Vec<&str> = stderr
-        .lines()
-        .filter(|l| l.starts_with("device-list-updater:"))
-        .collect();
-    assert_eq!(lines.len(), 1, "{stderr}");
-    assert!(lines[0].contains(needle), "{stderr}");
-}
-
 #[tokio::test]
 async fn bad_configuration_exits_2_with_one_line() {
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("signing.key");
     let key = key.to_str().unwrap();
     let out = run(&["run"], &[]).await;
-    one_line_error(&out, "server_name is required");
+    common::one_line_error(&out, &["server_name is required"]);
     let out = run(&["run"], &[("DLU_SERVER_NAME", "our.example")]).await;
-    one_line_error(&out, "signing_key_path is required");
+    common::one_line_error(&out, &["signing_key_path is required"]);
     let out = run(
         &["run"],
         &[
@@ -52,8 +41,8 @@ async fn bad_configuration_exits_2_with_one_line() {
         ],
     )
     .await;
-    one_line_error(&out, "signing key");
-    SigningKey::generate()
+    common::one_line_error(&out, &["signing key"]);
+    ServerKey::generate()
         .unwrap()
         .write_new(std::path::Path::new(key))
         .unwrap();
@@ -66,7 +55,7 @@ async fn bad_configuration_exits_2_with_one_line() {
         ],
     )
     .await;
-    one_line_error(&out, "retry_min");
+    common::one_line_error(&out, &["retry_min"]);
     // a flag overrides the environment
     let out = run(
         &["run", "--server-name", "bad name!"],
@@ -76,14 +65,14 @@ async fn bad_configuration_exits_2_with_one_line() {
         ],
     )
     .await;
-    one_line_error(&out, "server_name");
+    common::one_line_error(&out, &["server_name"]);
 }
 
 #[tokio::test]
 async fn unreachable_nats_exits_2_after_a_bounded_wait() {
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("signing.key");
-    SigningKey::generate().unwrap().write_new(&key).unwrap();
+    ServerKey::generate().unwrap().write_new(&key).unwrap();
     // a port nobody listens on
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -106,7 +95,7 @@ async fn unreachable_nats_exits_2_after_a_bounded_wait() {
         ],
     )
     .await;
-    one_line_error(&out, "NATS");
+    common::one_line_error(&out, &["NATS"]);
 }
 
 /// NATS refusing our credentials is final: exit 2 at once (not after the
@@ -115,7 +104,7 @@ async fn unreachable_nats_exits_2_after_a_bounded_wait() {
 async fn wrong_nats_credential_exits_2_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("signing.key");
-    SigningKey::generate().unwrap().write_new(&key).unwrap();
+    ServerKey::generate().unwrap().write_new(&key).unwrap();
     let nats = device_list_updater::testkit::Nats::start_with_config(
         "authorization { user: dlu, password: right-Passw0rd }",
     )
@@ -140,7 +129,7 @@ async fn wrong_nats_credential_exits_2_at_once() {
         ],
     )
     .await;
-    one_line_error(&out, "authorization violation");
+    common::one_line_error(&out, &["authorization violation"]);
     assert!(
         started.elapsed() < Duration::from_secs(60),
         "gave up at once, not after the start-up wait"
@@ -159,7 +148,7 @@ async fn wrong_nats_credential_exits_2_at_once() {
         ],
     )
     .await;
-    one_line_error(&out, "/nonexistent/user.nk");
+    common::one_line_error(&out, &["/nonexistent/user.nk"]);
 }
 
 #[tokio::test]
@@ -169,11 +158,11 @@ async fn generate_key_writes_a_loadable_key_once() {
     let out = run(&["generate-key", path.to_str().unwrap()], &[]).await;
     assert!(out.status.success());
     let printed = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    let key = SigningKey::load(&path).unwrap();
+    let key = ServerKey::load(&path).unwrap();
     assert_eq!(printed, key.key_id());
     let again = run(&["generate-key", path.to_str().unwrap()], &[]).await;
     assert!(!again.status.success(), "never overwrites a key");
-    assert_eq!(SigningKey::load(&path).unwrap(), key);
+    assert_eq!(ServerKey::load(&path).unwrap(), key);
 }
 
 #[tokio::test]
@@ -222,5 +211,5 @@ async fn logs_can_be_json() {
         &[("DLU_DATABASE_URL", &db), ("DLU_LOG_FORMAT", "xml")],
     )
     .await;
-    one_line_error(&out, "DLU_LOG_FORMAT");
+    common::one_line_error(&out, &["DLU_LOG_FORMAT"]);
 }

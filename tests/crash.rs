@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::{Backend, Nats, TestDb, publish, stream_len, wait_input_drained, wait_stream};
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::server_key::ServerKey;
 use device_list_updater::store::Store;
 use device_list_updater::worker;
 use entity::{remote_device, remote_user};
@@ -30,7 +30,7 @@ impl Setup {
         let nats = Nats::start().await;
         let db = TestDb::new(backend).await;
         let key_dir = tempfile::tempdir().unwrap();
-        SigningKey::generate()
+        ServerKey::generate()
             .unwrap()
             .write_new(&key_dir.path().join("signing.key"))
             .unwrap();

@@ -23,7 +23,7 @@ use common::burst::{
     start_and_let_a_fifth_through,
 };
 use common::{Backend, Nats, TestDb};
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::server_key::ServerKey;
 use device_list_updater::testkit::{input_consumer_info, stream_len, wait_for};
 use device_list_updater::worker;
 use sea_orm::ConnectionTrait;
@@ -35,7 +35,7 @@ async fn sigkill_during_a_burst(backend: Backend) {
     seed_and_publish(&db.url, &js).await;
     let key_dir = tempfile::tempdir().expect("dir");
     let key_path = key_dir.path().join("signing.key");
-    SigningKey::generate()
+    ServerKey::generate()
         .expect("key")
         .write_new(&key_path)
         .expect("write key");

@@ -8,9 +8,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::{Backend, Nats, TestDb, read_stream};
-use device_list_updater::signing_key::SigningKey;
 use device_list_updater::store::Store;
-use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
+use device_list_updater::testkit::remote::{KeyedFleet, MockFederation, Reply, device_list};
 use device_list_updater::testkit::{create_input_stream, input_consumer_info};
 use device_list_updater::worker;
 use entity::stale_user;
@@ -332,17 +331,8 @@ both_backends!(backoff_isolated, backoff_does_not_block_healthy_servers);
 async fn kill_during_fetches(backend: Backend) {
     let nats = Nats::start().await;
     let db = TestDb::new(backend).await;
-    let key_dir = tempfile::tempdir().unwrap();
-    let key = SigningKey::generate().unwrap();
-    key.write_new(&key_dir.path().join("signing.key")).unwrap();
-    let pair = key.key_pair().unwrap();
-    let fleet = MockFederation::start(
-        common::OUR_SERVER,
-        key.version(),
-        pair.public_key(),
-        Duration::from_millis(100),
-    )
-    .await;
+    let keyed = KeyedFleet::start(common::OUR_SERVER, Duration::from_millis(100)).await;
+    let fleet = &keyed.fleet;
     let (servers, users) = fleet_users(10, 10);
     for user in &users {
         fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
@@ -352,7 +342,7 @@ async fn kill_during_fetches(backend: Backend) {
         .map(|s| format!("{s}={}", fleet.base_url()))
         .collect();
     let spawn = || {
-        common::worker_command(&nats, &db, &key_dir.path().join("signing.key"))
+        common::worker_command(&nats, &db, &keyed.key_path)
             .env("DLU_FEDERATION_OVERRIDES", overrides.join(","))
             .env("DLU_LEASE_TTL", "2s")
             .env("DLU_ACK_WAIT", "1s")
@@ -417,17 +407,8 @@ both_backends!(killed_replica, kill_during_fetches);
 async fn sigterm_during_a_hanging_fetch(backend: Backend) {
     let nats = Nats::start().await;
     let db = TestDb::new(backend).await;
-    let key_dir = tempfile::tempdir().unwrap();
-    let key = SigningKey::generate().unwrap();
-    key.write_new(&key_dir.path().join("signing.key")).unwrap();
-    let pair = key.key_pair().unwrap();
-    let fleet = MockFederation::start(
-        common::OUR_SERVER,
-        key.version(),
-        pair.public_key(),
-        Duration::ZERO,
-    )
-    .await;
+    let keyed = KeyedFleet::start(common::OUR_SERVER, Duration::ZERO).await;
+    let fleet = &keyed.fleet;
     let user = "@alice:hangs.example";
     fleet.script(
         user,
@@ -436,7 +417,7 @@ async fn sigterm_during_a_hanging_fetch(backend: Backend) {
             Reply::Json(device_list(user, 1, &[("D", "P")])),
         ],
     );
-    let mut child = common::worker_command(&nats, &db, &key_dir.path().join("signing.key"))
+    let mut child = common::worker_command(&nats, &db, &keyed.key_path)
         .env(
             "DLU_FEDERATION_OVERRIDES",
             format!("hangs.example={}", fleet.base_url()),
@@ -470,7 +451,7 @@ async fn sigterm_during_a_hanging_fetch(backend: Backend) {
     // Given back: a new replica gets the job at once, not after the
     // one-minute ack wait.
     let mut config = common::config(&nats, &db);
-    config.signing_key = key;
+    config.server_key = keyed.key.clone();
     fleet.serve(&mut config, ["hangs.example"]);
     config.settings.ack_wait = Duration::from_secs(60);
     let successor = worker::start(config).await.unwrap();

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::{Backend, Nats, TestDb, publish};
 use device_list_updater::fetch::federation::{FederationClient, FederationSettings};
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::server_key::ServerKey;
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_list, overrides_for};
 use device_list_updater::worker;
 use entity::stale_user;
@@ -38,7 +38,7 @@ fn client(
 ) -> FederationClient {
     FederationClient::new(FederationSettings {
         origin: common::OUR_SERVER.try_into().unwrap(),
-        key: SigningKey::generate().unwrap().key_pair().unwrap(),
+        key: ServerKey::generate().unwrap().key_pair().unwrap(),
         overrides,
         timeout: Duration::from_secs(2),
     })
@@ -67,20 +67,13 @@ async fn loopback_targets_are_refused_by_the_client() {
 
 #[tokio::test]
 async fn an_override_may_point_at_loopback() {
-    let key = SigningKey::generate().unwrap();
-    let pair = key.key_pair().unwrap();
-    let fleet = MockFederation::start(
-        common::OUR_SERVER,
-        key.version(),
-        pair.public_key(),
-        Duration::ZERO,
-    )
-    .await;
+    let key = ServerKey::generate().unwrap();
+    let fleet = MockFederation::trusting_key(common::OUR_SERVER, &key, Duration::ZERO).await;
     let user = "@alice:127.0.0.1:1";
     fleet.script(user, vec![Reply::Json(device_list(user, 1, &[("D", "P")]))]);
     let client = FederationClient::new(FederationSettings {
         origin: common::OUR_SERVER.try_into().unwrap(),
-        key: pair,
+        key: key.key_pair().unwrap(),
         overrides: overrides_for(&fleet, ["127.0.0.1:1"]),
         timeout: Duration::from_secs(2),
     })

@@ -26,8 +26,9 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use device_list_updater::decide::membership::{Link, Member};
-use device_list_updater::decide::rooms::{RoomRow, RoomSnapshot, RoomUser, plan_sweep};
+use device_list_updater::decide::rooms::plan_sweep;
 use device_list_updater::decide::{Plan, Snapshot, UserState, plan_batch};
+use device_list_updater::decide::{RoomRow, RoomSnapshot, RoomUser};
 use device_list_updater::input::identity::{Identity, MemberKey};
 use device_list_updater::input::membership::Membership;
 use device_list_updater::input::{InputMessage, MemberKeyLink, MembershipChange};

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use common::certs::certificates;
 use common::{Backend, TestDb};
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::server_key::ServerKey;
 use device_list_updater::testkit::Nats;
 use device_list_updater::worker;
 use serde_json::json;
@@ -97,7 +97,7 @@ async fn restricted_worker_over_tls(verify: bool) {
     let db = TestDb::new(Backend::Sqlite).await;
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("signing.key");
-    SigningKey::generate().unwrap().write_new(&key).unwrap();
+    ServerKey::generate().unwrap().write_new(&key).unwrap();
     let log = dir.path().join("worker.log");
     // Alice is known up to stream id 0, as after a fetch.
     let store = worker::open_store(&db.url, Duration::from_secs(10))

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use common::certs::certificates;
 use common::{Nats, OUR_SERVER};
 use device_list_updater::config::Config;
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::server_key::ServerKey;
 use device_list_updater::testkit::postgres::PrivatePostgres;
 use device_list_updater::worker;
 use sea_orm::{ConnectionTrait as _, Statement};
@@ -117,22 +117,6 @@ async fn run_with_database(nats: &Nats, key: &Path, database_url: &str) -> Outpu
         .expect("runs")
 }
 
-/// Exit 2, one line naming the database, containing `needle`.
-fn one_line_database_error(output: &Output, needle: &str) {
-    assert_eq!(output.status.code(), Some(2), "{output:?}");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let lines: Vec<&str> = stderr
-        .lines()
-        .filter(|l| l.starts_with("device-list-updater:"))
-        .collect();
-    assert_eq!(lines.len(), 1, "{stderr}");
-    assert!(
-        lines[0].contains("cannot connect to the database"),
-        "{stderr}"
-    );
-    assert!(lines[0].contains(needle), "{stderr}");
-}
-
 /// Refusals that waiting cannot mend end the start-up at once, not after
 /// `DLU_STARTUP_TIMEOUT` (120 s here).
 #[tokio::test]
@@ -142,7 +126,7 @@ async fn refused_tls_exits_2_at_once() {
     certificates(other.path());
     let nats = Nats::start().await;
     let key = other.path().join("signing.key");
-    SigningKey::generate().unwrap().write_new(&key).unwrap();
+    ServerKey::generate().unwrap().write_new(&key).unwrap();
 
     // A CA that did not sign the server's certificate.
     let wrong_ca = with_query(
@@ -154,7 +138,7 @@ async fn refused_tls_exits_2_at_once() {
     );
     let started = Instant::now();
     let out = run_with_database(&nats, &key, &wrong_ca).await;
-    one_line_database_error(&out, "certificate");
+    common::one_line_error(&out, &["cannot connect to the database", "certificate"]);
     assert!(
         started.elapsed() < Duration::from_secs(60),
         "gave up at once, not after the start-up wait"
@@ -163,6 +147,6 @@ async fn refused_tls_exits_2_at_once() {
     // Without TLS the server has no `pg_hba.conf` line for us.
     let started = Instant::now();
     let out = run_with_database(&nats, &key, &with_query(&pg, "sslmode=disable")).await;
-    one_line_database_error(&out, "pg_hba.conf");
+    common::one_line_error(&out, &["cannot connect to the database", "pg_hba.conf"]);
     assert!(started.elapsed() < Duration::from_secs(60));
 }

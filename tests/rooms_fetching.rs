@@ -455,15 +455,6 @@ async fn a_batch_never_holds_one_user_while_waiting_for_a_linked_one() {
 
     // One batch: V's update, and U's key joining (U named only by the
     // stored link). Published while no worker runs, so one pull takes both.
-    let Env {
-        nats,
-        db,
-        js,
-        worker,
-        fleet,
-        config,
-    } = env;
-    worker.stop(Duration::from_secs(10)).await;
     let messages = vec![
         (
             "devicelist.in.update",
@@ -474,20 +465,13 @@ async fn a_batch_never_holds_one_user_while_waiting_for_a_linked_one() {
             common::rooms::membership(ROOM, BOB_KEY, "join", 4).to_string(),
         ),
     ];
-    fleet.reason(&v);
-    fleet.room_reason();
-    common::publish_many(&js, messages).await;
-    let worker = device_list_updater::worker::start(config.clone())
-        .await
-        .expect("restart");
-    let env = Env {
-        nats,
-        db,
-        js,
-        worker,
-        fleet,
-        config,
-    };
+    let env = env
+        .restart_after(async |js, fleet| {
+            fleet.reason(&v);
+            fleet.room_reason();
+            common::publish_many(js, messages).await;
+        })
+        .await;
 
     // Wait until the batch waits for U.
     let waiting = format!(

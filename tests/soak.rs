@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use common::OUR_SERVER;
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::server_key::ServerKey;
 use device_list_updater::testkit::cluster::NatsCluster;
 use device_list_updater::testkit::postgres::PrivatePostgres;
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
@@ -239,9 +239,9 @@ async fn read_key_changes(js: &jetstream::Context) -> (Vec<(String, String, i64)
     (changes, repeated_ids)
 }
 
-fn signing_key(dir: &Path) -> (std::path::PathBuf, SigningKey) {
+fn signing_key(dir: &Path) -> (std::path::PathBuf, ServerKey) {
     let path = dir.join("signing.key");
-    let key = SigningKey::generate().expect("key");
+    let key = ServerKey::generate().expect("key");
     key.write_new(&path).expect("write key");
     (path, key)
 }

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use common::{Backend, Nats, TestDb};
 use device_list_updater::config::Config;
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::server_key::ServerKey;
 use device_list_updater::store::query::UserView;
 use device_list_updater::worker::{self, Running};
 use serde_json::{Value, json};
@@ -147,10 +147,10 @@ async fn harness(dir: &Path, args: &[&str]) -> Value {
 
 /// A worker named `our_name` that signs with `key` and reaches Synapse
 /// directly.
-fn config(nats: &Nats, db: &TestDb, synapse: &Synapse, key: SigningKey) -> Config {
+fn config(nats: &Nats, db: &TestDb, synapse: &Synapse, key: ServerKey) -> Config {
     let mut config = common::config(nats, db);
     config.server_name = synapse.our_name.as_str().try_into().expect("server name");
-    config.signing_key = key;
+    config.server_key = key;
     config.settings.federation_overrides = [(
         SYNAPSE_NAME.try_into().expect("name"),
         format!("http://127.0.0.1:{}", synapse.port),
@@ -232,7 +232,7 @@ async fn assert_matches(running: &Running, truth: &Value, names_over_federation:
 async fn synapse_lists(backend: Backend, names_over_federation: bool) {
     let key_dir = tempfile::tempdir().expect("temp dir");
     let key_path = key_dir.path().join("our.key");
-    let key = SigningKey::generate().expect("key");
+    let key = ServerKey::generate().expect("key");
     key.write_new(&key_path).expect("key written");
     let synapse = Synapse::start(names_over_federation, &key_path).await;
     synapse.run("populate").await;
@@ -243,7 +243,7 @@ async fn synapse_lists(backend: Backend, names_over_federation: bool) {
 
     // Signed with a key our key server does not serve: Synapse fetches our
     // key, cannot verify, answers 401, and nothing is stored.
-    let wrong = SigningKey::generate().expect("key");
+    let wrong = ServerKey::generate().expect("key");
     let running = worker::start(config(&nats, &db, &synapse, wrong))
         .await
         .expect("worker starts");

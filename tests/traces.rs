@@ -8,8 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{Nats, TestDb, publish};
-use device_list_updater::signing_key::SigningKey;
-use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
+use device_list_updater::testkit::remote::{KeyedFleet, Reply, device_list};
 use serde_json::{Value, json};
 
 const ALICE: &str = "@alice:remote.example";
@@ -76,22 +75,13 @@ async fn spans_are_exported_over_otlp() {
 
     let nats = Nats::start().await;
     let db = TestDb::new(common::Backend::Sqlite).await;
-    let key_dir = tempfile::tempdir().unwrap();
-    let key = SigningKey::generate().unwrap();
-    key.write_new(&key_dir.path().join("signing.key")).unwrap();
-    let pair = key.key_pair().unwrap();
-    let fleet = MockFederation::start(
-        common::OUR_SERVER,
-        key.version(),
-        pair.public_key(),
-        Duration::ZERO,
-    )
-    .await;
+    let keyed = KeyedFleet::start(common::OUR_SERVER, Duration::ZERO).await;
+    let fleet = &keyed.fleet;
     fleet.script(
         ALICE,
         vec![Reply::Json(device_list(ALICE, 1, &[("D", "P")]))],
     );
-    let mut child = common::worker_command(&nats, &db, &key_dir.path().join("signing.key"))
+    let mut child = common::worker_command(&nats, &db, &keyed.key_path)
         .env(
             "DLU_FEDERATION_OVERRIDES",
             format!("remote.example={}", fleet.base_url()),

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::server_key::ServerKey;
 use device_list_updater::testkit::remote::{MockFederation, Reply, device_list};
 
 /// The mocked servers and their users.
@@ -20,7 +20,7 @@ pub struct Fleet {
 
 /// Starts the fleet, trusting requests signed with `key` by `our.example`.
 pub async fn two_device_fleet(
-    key: &SigningKey,
+    key: &ServerKey,
     servers: usize,
     per_server: usize,
     latency: Duration,

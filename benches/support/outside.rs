@@ -19,7 +19,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use device_list_updater::signing_key::SigningKey;
+use device_list_updater::server_key::ServerKey;
 use device_list_updater::testkit::{Nats, create_input_stream, stream_len, wait_for};
 
 use super::{fresh_streams, publish_all, realistic_update, seed_users};
@@ -159,8 +159,8 @@ fn clock_ticks() -> f64 {
 }
 
 /// A new signing key file in `dir`.
-fn key_file(dir: &Path) -> (SigningKey, std::path::PathBuf) {
-    let key = SigningKey::generate().expect("key");
+fn key_file(dir: &Path) -> (ServerKey, std::path::PathBuf) {
+    let key = ServerKey::generate().expect("key");
     let path = dir.join("signing.key");
     key.write_new(&path).expect("key file");
     (key, path)

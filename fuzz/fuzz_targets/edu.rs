@@ -3,9 +3,8 @@
 //! kinds come from `InputKind::ALL`, so membership and member keys are in.
 #![no_main]
 
-use device_list_updater::decide::{Snapshot, plan_batch};
-use device_list_updater::decide::rooms::RoomSnapshot;
-use device_list_updater::input::{InputKind, Parsed, Rules, parse};
+use device_list_updater::decide::{RoomSnapshot, Snapshot, plan_batch};
+use device_list_updater::input::{InputKind, Parsed, RoomRules, Rules, Tracking, parse};
 use libfuzzer_sys::fuzz_target;
 use ruma::ServerName;
 
@@ -23,11 +22,18 @@ fuzz_target!(|data: &[u8]| {
     let Ok(own) = <&ServerName>::try_from("own.example") else {
         return;
     };
-    // Membership and member keys on or off, chosen by the selector too.
+    // Membership off, or on with member keys on or off, chosen by the
+    // selector too.
+    let tracking = match usize::from(selector) / kinds.len() / 3 % 3 {
+        0 => Tracking::Everyone,
+        keys => Tracking::SharedRooms(RoomRules {
+            own_server: own.to_owned(),
+            member_keys: keys == 2,
+        }),
+    };
     let rules = Rules {
         own_server: own,
-        membership: usize::from(selector) / kinds.len() / 3 % 2 == 1,
-        member_keys: usize::from(selector) / kinds.len() / 6 % 2 == 1,
+        tracking: &tracking,
     };
     if let Ok(Parsed::Accept(message)) = parse(kind, body, origin, &rules) {
         // Planned under both tracking rules: everyone, and shared rooms.

@@ -2,9 +2,12 @@
 //!
 //! One set of migrations runs on both SQLite and PostgreSQL; every table is
 //! described in `docs/storage.md`. Migrations are applied by `device-list-updater
-//! migrate` and at the start of `device-list-updater run`.
+//! migrate` and at the start of `device-list-updater run`; the `admin`
+//! commands only compare the applied ones with this list.
 
 pub use sea_orm_migration::prelude::*;
+/// The table of applied migrations (read by `admin` to compare schemas).
+pub use sea_orm_migration::seaql_migrations;
 
 mod m20261130_000001_initial;
 mod m20261201_000001_postgres_tuning;

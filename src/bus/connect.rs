@@ -10,6 +10,7 @@ use std::time::Duration;
 use async_nats::{ConnectErrorKind, ConnectOptions};
 
 use super::BusError;
+use crate::config::{Settings, given};
 
 /// Where NATS is and how to authenticate to it. Its `Debug` shows the URLs
 /// without their credentials.
@@ -26,6 +27,21 @@ pub struct NatsConnection {
     pub tls_ca: Option<PathBuf>,
     /// Client certificate and its key (PEM), for mutual TLS.
     pub tls_client: Option<(PathBuf, PathBuf)>,
+}
+
+impl NatsConnection {
+    /// Where NATS is and the credentials to use there, from the settings.
+    pub fn from_settings(settings: &Settings) -> NatsConnection {
+        NatsConnection {
+            urls: settings.nats_url.clone(),
+            creds: given(&settings.nats_creds).cloned(),
+            nkey_seed: given(&settings.nats_nkey_seed).cloned(),
+            tls_ca: given(&settings.nats_tls_ca).cloned(),
+            tls_client: given(&settings.nats_tls_cert)
+                .cloned()
+                .zip(given(&settings.nats_tls_key).cloned()),
+        }
+    }
 }
 
 /// Credentials carried in a URL's user info.

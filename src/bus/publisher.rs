@@ -33,7 +33,7 @@ const QUEUE: usize = 256;
 /// Most queued batches published in one round.
 const MAX_BATCHES_PER_ROUND: usize = 256;
 /// How often the table is read even when nothing failed.
-const SWEEP_EVERY: Duration = Duration::from_secs(5);
+const REREAD_EVERY: Duration = Duration::from_secs(5);
 /// Longest pause between tries after a failure. A try is one read of the
 /// table and publishes that fail at once while `KEY_CHANGE` has no leader
 /// (no responders), so a short cap costs little and lets publishing resume
@@ -53,7 +53,7 @@ pub enum OutboxError {
 }
 
 /// Hands committed batches to the publisher. The publisher stops (after a
-/// last sweep of the table) once every handle is dropped.
+/// last re-read of the table) once every handle is dropped.
 #[derive(Clone)]
 pub struct OutboxHandle {
     queue: mpsc::Sender<OutboxBatch>,
@@ -98,21 +98,21 @@ impl Publisher {
         (publisher, OutboxHandle { queue: tx })
     }
 
-    /// Runs until every [`OutboxHandle`] is dropped, then sweeps the table once
+    /// Runs until every [`OutboxHandle`] is dropped, then re-reads the table once
     /// more.
     pub async fn run(mut self) {
-        let mut must_sweep = true;
+        let mut must_reread = true;
         let mut pause = Duration::from_millis(100);
-        let mut last_sweep = Instant::now();
+        let mut last_reread = Instant::now();
         loop {
-            if must_sweep || last_sweep.elapsed() >= SWEEP_EVERY {
+            if must_reread || last_reread.elapsed() >= REREAD_EVERY {
                 // Queued batches are in the table too; dropping them keeps
                 // the order of the table.
                 while self.queue.try_recv().is_ok() {}
-                last_sweep = Instant::now();
-                match self.sweep_table().await {
+                last_reread = Instant::now();
+                match self.reread_table().await {
                     Ok(_) => {
-                        must_sweep = false;
+                        must_reread = false;
                         pause = Duration::from_millis(100);
                     }
                     Err(e) => {
@@ -141,22 +141,22 @@ impl Publisher {
                         }
                         if let Err(e) = self.publish(&batches).await {
                             tracing::warn!(error = %e, "outbox publish failed; reading the table");
-                            must_sweep = true;
+                            must_reread = true;
                         }
                     }
                     None => break,
                 },
-                () = tokio::time::sleep_until(last_sweep + SWEEP_EVERY) => {}
+                () = tokio::time::sleep_until(last_reread + REREAD_EVERY) => {}
             }
         }
-        if let Err(e) = self.sweep_table().await {
-            tracing::warn!(error = %e, "final outbox sweep failed; events stay for the next start");
+        if let Err(e) = self.reread_table().await {
+            tracing::warn!(error = %e, "final outbox re-read failed; events stay for the next start");
         }
     }
 
     /// Publishes every row of the table in id order; returns how many events
     /// were sent.
-    pub async fn sweep_table(&self) -> Result<usize, OutboxError> {
+    pub async fn reread_table(&self) -> Result<usize, OutboxError> {
         let mut sent = 0;
         let mut after = 0;
         loop {
@@ -198,7 +198,7 @@ impl Publisher {
             sent += 1;
             // async-nats lends each publish a permit (5,000 in all) until
             // its ack future is awaited: holding more than that unawaited
-            // blocks the next publish forever. A sweep after an outage
+            // blocks the next publish forever. A re-read after an outage
             // easily has more (found by tests/faults.rs).
             if acks.len() == ACKS_IN_FLIGHT {
                 for ack in acks.drain(..) {

@@ -1,143 +1,15 @@
 //! Planning a batch: folds the batch's messages, in order, over the stored
 //! state of their users and says what to write and what to emit. No I/O.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-
-use ruma::{OwnedDeviceId, OwnedServerName, OwnedUserId, UserId};
+use ruma::UserId;
 
 use super::device::{DeviceRow, is_visible_change, same_json};
-use super::known_ids::KnownStreamIds;
-use super::rooms::{self, RoomSnapshot, RoomWrites};
+use super::plan::{Outcome, Plan, Snapshot, mark_stale, record_stale};
+use super::rooms;
 use super::rules::{UpdateDecision, decide_update};
 use crate::input::cross_signing::KeyUsage;
 use crate::input::{DeviceListUpdate, InputMessage, SigningKeyUpdate};
 use crate::key_change::{CrossSigningChange, DeviceChange, KeyChange};
-
-/// Stream state of one user.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct UserState {
-    /// Known stream ids.
-    pub known: KnownStreamIds,
-    /// Highest stream id seen.
-    pub max_stream_id: i64,
-    /// Stream position of the last fetched list (0: never fetched).
-    pub fetched_stream_id: i64,
-}
-
-/// A user's stale mark.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StaleMark {
-    /// Stream ids of the updates that made the user stale.
-    pub trigger_ids: Vec<i64>,
-    /// When the user was first marked (Unix ms).
-    pub marked_at_ms: i64,
-}
-
-/// The stored state of the users a batch touches.
-#[derive(Clone, Debug, Default)]
-pub struct Snapshot {
-    /// Stream state per user (absent: never seen).
-    pub users: HashMap<OwnedUserId, UserState>,
-    /// Stored devices, tombstones included.
-    pub devices: HashMap<(OwnedUserId, OwnedDeviceId), DeviceRow>,
-    /// Current stale marks.
-    pub stale: HashMap<OwnedUserId, StaleMark>,
-    /// Stored cross-signing keys.
-    pub cross_signing: HashMap<(OwnedUserId, KeyUsage), String>,
-    /// With membership on (SPEC §5.5): the room state, and only users that
-    /// share a room with us are tracked. None: every remote user is.
-    pub rooms: Option<RoomSnapshot>,
-}
-
-/// What happened to one message (for logs and metrics).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Outcome {
-    /// Applied and emitted a change.
-    Applied,
-    /// Applied, but nothing visible changed.
-    Unchanged,
-    /// Older than the stored device: not applied.
-    Outdated,
-    /// The user was marked stale.
-    Stale,
-    /// A resync was requested: the user was marked stale.
-    ResyncRequested,
-    /// Cross-signing keys changed.
-    KeysChanged,
-    /// Cross-signing keys were identical.
-    KeysUnchanged,
-    /// About a user that shares no room with us: dropped (SPEC §5.5.6).
-    Untracked,
-    /// A membership or link change was applied.
-    MembershipApplied,
-    /// A membership or link change not newer than the stored one (SPEC
-    /// §5.5.2): ignored.
-    Replayed,
-    /// A link naming another user than the key's first (SPEC §5.6.2): not
-    /// applied; the message is dead-lettered.
-    LinkConflict,
-    /// Room input while membership is off: ignored.
-    MembershipOff,
-}
-
-impl Outcome {
-    /// A short label for metrics and logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Applied => "applied",
-            Outcome::Unchanged => "unchanged",
-            Outcome::Outdated => "outdated",
-            Outcome::Stale => "stale",
-            Outcome::ResyncRequested => "resync_requested",
-            Outcome::KeysChanged => "keys_changed",
-            Outcome::KeysUnchanged => "keys_unchanged",
-            Outcome::Untracked => "untracked",
-            Outcome::MembershipApplied => "applied",
-            Outcome::Replayed => "replayed",
-            Outcome::LinkConflict => "link_conflict",
-            Outcome::MembershipOff => "ignored",
-        }
-    }
-
-    /// Whether it is the outcome of room input (counted apart from updates).
-    pub fn is_room_outcome(self) -> bool {
-        match self {
-            Outcome::MembershipApplied
-            | Outcome::Replayed
-            | Outcome::LinkConflict
-            | Outcome::MembershipOff => true,
-            Outcome::Applied
-            | Outcome::Unchanged
-            | Outcome::Outdated
-            | Outcome::Stale
-            | Outcome::ResyncRequested
-            | Outcome::KeysChanged
-            | Outcome::KeysUnchanged
-            | Outcome::Untracked => false,
-        }
-    }
-}
-
-/// What a batch writes and emits. Only dirty rows are listed.
-#[derive(Clone, Debug, Default)]
-pub struct Plan {
-    /// User stream state to upsert.
-    pub users: BTreeMap<OwnedUserId, UserState>,
-    /// Device rows to upsert.
-    pub devices: BTreeMap<(OwnedUserId, OwnedDeviceId), DeviceRow>,
-    /// Stale marks to upsert (merged with what was stored).
-    pub stale: BTreeMap<OwnedUserId, StaleMark>,
-    /// Cross-signing keys to upsert.
-    pub cross_signing: BTreeMap<(OwnedUserId, KeyUsage), String>,
-    /// Key-change events, in order.
-    pub events: Vec<KeyChange>,
-    /// One outcome per message, in input order.
-    pub outcomes: Vec<Outcome>,
-    /// Servers that need a fetch job (they have a user marked stale here).
-    pub fetch_servers: BTreeSet<OwnedServerName>,
-    /// Room rows, shared-room counts and users to untrack.
-    pub rooms: RoomWrites,
-}
 
 /// Folds `messages` over `snapshot`. `now_ms` stamps new stale marks.
 pub fn plan_batch(mut snapshot: Snapshot, messages: &[InputMessage], now_ms: i64) -> Plan {
@@ -292,46 +164,10 @@ fn apply_signing_keys(
     Outcome::KeysChanged
 }
 
-/// Marks `user` stale (adding `trigger` to its mark) and asks for a fetch
-/// job for its server.
-pub(super) fn mark_stale(
-    snapshot: &mut Snapshot,
-    plan: &mut Plan,
-    user: &UserId,
-    trigger: Option<i64>,
-    now_ms: i64,
-) {
-    record_stale(snapshot, plan, user, trigger, now_ms);
-    plan.fetch_servers.insert(user.server_name().to_owned());
-}
-
-/// Writes `user`'s stale mark (adding `trigger` to it), without asking for
-/// a fetch.
-fn record_stale(
-    snapshot: &mut Snapshot,
-    plan: &mut Plan,
-    user: &UserId,
-    trigger: Option<i64>,
-    now_ms: i64,
-) {
-    let mark = snapshot
-        .stale
-        .entry(user.to_owned())
-        .or_insert_with(|| StaleMark {
-            trigger_ids: Vec::new(),
-            marked_at_ms: now_ms,
-        });
-    if let Some(id) = trigger
-        && !mark.trigger_ids.contains(&id)
-    {
-        mark.trigger_ids.push(id);
-    }
-    plan.stale.insert(user.to_owned(), mark.clone());
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::decide::UserState;
     use crate::input::ResyncRequest;
 
     fn update(user: &str, device: &str, stream: i64, prev: &[i64], name: &str) -> InputMessage {

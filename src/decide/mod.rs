@@ -6,7 +6,11 @@ pub mod device;
 pub mod fetched;
 pub mod known_ids;
 pub mod membership;
+pub mod plan;
 pub mod rooms;
 pub mod rules;
 
-pub use batch::{Outcome, Plan, Snapshot, StaleMark, UserState, plan_batch};
+pub use batch::plan_batch;
+pub use plan::{
+    Outcome, Plan, RoomRow, RoomSnapshot, RoomUser, RoomWrites, Snapshot, StaleMark, UserState,
+};

@@ -9,7 +9,7 @@
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 
-use super::federation::ClientError;
+use super::error::ClientError;
 use super::guard;
 
 /// Port used when no SRV record names one.

@@ -23,6 +23,7 @@ use ruma::{OwnedServerName, ServerName, UserId};
 
 use super::answer;
 use super::discovery::{self, HickoryDns};
+use super::error::ClientError;
 use super::guard;
 use super::retry::FailureKind;
 use crate::decide::fetched::FetchedList;
@@ -153,17 +154,6 @@ impl reqwest::dns::Resolve for GuardedResolver {
             Ok(addrs)
         })
     }
-}
-
-/// Why the federation client could not be set up.
-#[derive(Debug, thiserror::Error)]
-pub enum ClientError {
-    /// The system's DNS configuration is unusable.
-    #[error("cannot set up DNS from the system configuration: {0}")]
-    Dns(#[source] Box<dyn std::error::Error + Send + Sync>),
-    /// TLS or the HTTP client could not be built.
-    #[error("cannot build the federation client: {0}")]
-    Http(#[from] reqwest::Error),
 }
 
 /// Where a request goes.

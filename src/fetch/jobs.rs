@@ -72,6 +72,14 @@ pub struct Fetcher {
     pub backlog: IngestBacklog,
 }
 
+/// A job in hand: its server, the server's failures in a row when it
+/// started, and whether the server is still in back-off.
+struct Running<'a> {
+    server: &'a OwnedServerName,
+    failures: u32,
+    backing_off: bool,
+}
+
 /// How one job ended.
 #[derive(Debug, PartialEq, Eq)]
 enum JobEnd {
@@ -156,46 +164,54 @@ impl Fetcher {
         // while under load, and an expired ack wait would hand the job to a
         // second replica while this one still runs it.
         let _keep_alive = keep_alive(&message, self.ack_wait / 3);
-        // The server's wait as stored is the truth: a job that arrives early
-        // (the rescan recreated a lost queue) waits out the rest.
+        let Some(failures) = self.server_ready(&message, server).await else {
+            return;
+        };
+        self.metrics.fetches_in_flight(1);
+        let span = tracing::info_span!("fetch_job", server = %server, failures);
+        let end = self
+            .run_job(server, failures, turn, &shutdown)
+            .instrument(span)
+            .await;
+        self.metrics.fetches_in_flight(-1);
+        self.end_job(&message, server, end).await;
+    }
+
+    /// Whether the server's stored wait is over: its failures in a row so
+    /// far, or None once the message has been given back (the wait is not
+    /// over, or the database did not answer). The stored wait is the truth:
+    /// a job that arrives early (the rescan recreated a lost queue) waits
+    /// out the rest.
+    async fn server_ready(&self, message: &Message, server: &OwnedServerName) -> Option<u32> {
         let wait = match self.store.server_wait(server).await {
             Ok(wait) => wait,
             Err(e) => {
                 tracing::warn!(error = %e, %server, "cannot read the server's fetch state");
                 let _ = message.ack_with(AckKind::Nak(Some(LOCAL_RETRY))).await;
-                return;
+                return None;
             }
         };
-        let failures = wait
-            .as_ref()
-            .map_or(0, |w| u32::try_from(w.failures).unwrap_or(0));
-        if let Some(wait) = &wait {
-            let left = wait.next_attempt_ms - now_ms();
-            if left > EARLY_TOLERANCE_MS {
-                let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
-                tracing::debug!(%server, ?left, "fetch job early; waiting out the server's wait");
-                let _ = message.ack_with(AckKind::Nak(Some(left))).await;
-                return;
-            }
-            if wait.next_attempt_ms != 0
-                && let Err(e) = self.store.server_running(server).await
-            {
-                tracing::warn!(error = %e, %server, "cannot mark the fetch job running");
-                let _ = message.ack_with(AckKind::Nak(Some(LOCAL_RETRY))).await;
-                return;
-            }
+        let Some(wait) = wait else { return Some(0) };
+        let left = wait.next_attempt_ms - now_ms();
+        if left > EARLY_TOLERANCE_MS {
+            let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
+            tracing::debug!(%server, ?left, "fetch job early; waiting out the server's wait");
+            let _ = message.ack_with(AckKind::Nak(Some(left))).await;
+            return None;
         }
-        let end = {
-            self.metrics.fetches_in_flight(1);
-            let span = tracing::info_span!("fetch_job", server = %server, failures);
-            let end = self
-                .run_job(server, failures, turn, &shutdown)
-                .instrument(span)
-                .await;
-            self.metrics.fetches_in_flight(-1);
-            end
-        };
-        match end {
+        if wait.next_attempt_ms != 0
+            && let Err(e) = self.store.server_running(server).await
+        {
+            tracing::warn!(error = %e, %server, "cannot mark the fetch job running");
+            let _ = message.ack_with(AckKind::Nak(Some(LOCAL_RETRY))).await;
+            return None;
+        }
+        Some(u32::try_from(wait.failures).unwrap_or(0))
+    }
+
+    /// Ends the job message as `end` says: acked, or given back with a delay.
+    async fn end_job(&self, message: &Message, server: &OwnedServerName, end: JobEnd) {
+        let delay = match end {
             JobEnd::Done => {
                 if let Err(e) = message.double_ack().await {
                     tracing::warn!(error = %e, %server, "fetch job ack failed; it will run again");
@@ -212,11 +228,12 @@ impl Fetcher {
                         self.enqueue(server).await;
                     }
                 }
+                return;
             }
             JobEnd::Parked(due_ms) => {
                 let left = Duration::from_millis(u64::try_from(due_ms - now_ms()).unwrap_or(0));
                 tracing::debug!(%server, ?left, "every stale user left is in its own back-off");
-                let _ = message.ack_with(AckKind::Nak(Some(left))).await;
+                left
             }
             JobEnd::ServerFailed {
                 failures,
@@ -224,17 +241,14 @@ impl Fetcher {
                 error,
             } => {
                 tracing::info!(%server, failures, ?wait, %error, "server failed; backing off");
-                let _ = message.ack_with(AckKind::Nak(Some(wait))).await;
+                wait
             }
-            JobEnd::Local => {
-                let _ = message.ack_with(AckKind::Nak(Some(LOCAL_RETRY))).await;
-            }
-            JobEnd::Interrupted => {
-                // Stopping: give the job back, delayed past this replica's
-                // open pull so it is not handed straight back to us.
-                let _ = message.ack_with(AckKind::Nak(Some(PULL_EXPIRY * 2))).await;
-            }
-        }
+            JobEnd::Local => LOCAL_RETRY,
+            // Stopping: give the job back, delayed past this replica's open
+            // pull so it is not handed straight back to us.
+            JobEnd::Interrupted => PULL_EXPIRY * 2,
+        };
+        let _ = message.ack_with(AckKind::Nak(Some(delay))).await;
     }
 
     async fn enqueue(&self, server: &OwnedServerName) {
@@ -255,15 +269,18 @@ impl Fetcher {
         // A user still stale after its fetch (an update arrived meanwhile)
         // waits for the follow-up job, so one job cannot loop forever.
         let mut done: BTreeSet<OwnedUserId> = BTreeSet::new();
-        let mut backing_off = failures > 0;
+        let mut job = Running {
+            server,
+            failures,
+            backing_off: failures > 0,
+        };
         loop {
             if shutdown.is_requested() {
                 return JobEnd::Interrupted;
             }
-            let now = now_ms();
             let due = match self
                 .store
-                .due_stale_users(server, now, USERS_PER_ROUND + done.len() as u64)
+                .due_stale_users(server, now_ms(), USERS_PER_ROUND + done.len() as u64)
                 .await
             {
                 Ok(users) => users,
@@ -294,42 +311,52 @@ impl Fetcher {
                     } => result,
                     () = shutdown.requested() => return JobEnd::Interrupted,
                 };
-                let answered = result
-                    .as_ref()
-                    .map_or_else(|f| blame(f.kind) == Blame::User, |()| true);
-                if backing_off && answered {
-                    // It answered: the server's back-off is over.
-                    backing_off = false;
-                    if let Err(e) = self.store.server_answered(server).await {
-                        tracing::warn!(error = %e, %server, "cannot clear the server's back-off");
-                    }
+                if let Some(end) = self.after_fetch(&mut job, &due, result).await {
+                    return end;
                 }
-                let Err(failure) = result else {
-                    done.insert(due.user);
-                    continue;
-                };
-                tracing::info!(user = %due.user, reason = %failure.reason, "fetch failed");
-                let charged = blame(failure.kind);
-                if charged == Blame::User {
-                    // Its back-off and `last_error` in one write.
-                    self.user_failed(&due, &failure).await;
-                    done.insert(due.user);
-                    continue;
-                }
-                // Shown by the resync RPC and `admin stale`.
-                if let Err(e) = self
-                    .store
-                    .note_fetch_error(&due.user, &failure.reason)
-                    .await
-                {
-                    tracing::debug!(error = %e, "cannot record the fetch error");
-                }
-                return match charged {
-                    Blame::Server => self.server_failed(server, failures, failure).await,
-                    Blame::User | Blame::Local => JobEnd::Local,
-                };
+                done.insert(due.user);
             }
         }
+    }
+
+    /// What one user's fetch means for the job: None to go on with the next
+    /// user, or how the job ends (the server failed, or a local problem).
+    async fn after_fetch(
+        &self,
+        job: &mut Running<'_>,
+        due: &DueUser,
+        result: Result<(), FetchFailure>,
+    ) -> Option<JobEnd> {
+        let answered = result
+            .as_ref()
+            .map_or_else(|f| blame(f.kind) == Blame::User, |()| true);
+        if job.backing_off && answered {
+            // It answered: the server's back-off is over.
+            job.backing_off = false;
+            if let Err(e) = self.store.server_answered(job.server).await {
+                tracing::warn!(error = %e, server = %job.server, "cannot clear the server's back-off");
+            }
+        }
+        let failure = result.err()?;
+        tracing::info!(user = %due.user, reason = %failure.reason, "fetch failed");
+        let charged = blame(failure.kind);
+        if charged == Blame::User {
+            // Its back-off and `last_error` in one write.
+            self.user_failed(due, &failure).await;
+            return None;
+        }
+        // Shown by the resync RPC and `admin stale`.
+        if let Err(e) = self
+            .store
+            .note_fetch_error(&due.user, &failure.reason)
+            .await
+        {
+            tracing::debug!(error = %e, "cannot record the fetch error");
+        }
+        Some(match charged {
+            Blame::Server => self.server_failed(job.server, job.failures, failure).await,
+            Blame::User | Blame::Local => JobEnd::Local,
+        })
     }
 
     /// No stale user is due: the job is done, or parked until the first

@@ -15,6 +15,7 @@
 
 pub mod answer;
 pub(crate) mod discovery;
+pub mod error;
 pub mod federation;
 pub mod give_way;
 pub(crate) mod guard;

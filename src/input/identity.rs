@@ -10,7 +10,7 @@ use std::fmt;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use ruma::{OwnedUserId, ServerName, UserId};
+use ruma::{OwnedUserId, UserId};
 
 /// Characters after the `@` of a member key: 32 bytes in unpadded base64.
 const KEY_CHARS: usize = 43;
@@ -106,12 +106,6 @@ impl Identity {
             }),
         }
     }
-
-    /// For a user id: whether it is one of ours. A key is nobody's until a
-    /// link says whose it is, so it is never local by itself.
-    pub fn is_local_user(&self, own: &ServerName) -> bool {
-        matches!(self, Identity::User(user) if user.server_name() == own)
-    }
 }
 
 #[cfg(test)]
@@ -155,13 +149,5 @@ mod tests {
         for bad in ["", "bob", "@", "!room:example.org"] {
             assert!(Identity::parse(bad, true).is_err(), "{bad:?}");
         }
-        let own = <&ServerName>::try_from("our.example").unwrap();
-        assert!(
-            Identity::parse("@me:our.example", true)
-                .unwrap()
-                .is_local_user(own)
-        );
-        assert!(!user.is_local_user(own));
-        assert!(!Identity::parse(KEY, true).unwrap().is_local_user(own));
     }
 }

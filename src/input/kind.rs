@@ -41,17 +41,6 @@ impl InputKind {
         }
     }
 
-    /// The setting that names its subject (`DLU_` + upper case).
-    pub fn setting(self) -> &'static str {
-        match self {
-            InputKind::Update => "input_update_subject",
-            InputKind::SigningKey => "input_signing_key_subject",
-            InputKind::Resync => "input_resync_subject",
-            InputKind::Membership => "input_membership_subject",
-            InputKind::MemberKey => "input_member_key_subject",
-        }
-    }
-
     /// Whether messages of this kind are about rooms (SPEC §5.5): acked and
     /// ignored while membership is off, and exempt from the own-user and
     /// `origin` rules (our own users' memberships are what make a room ours).
@@ -134,16 +123,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_kind_has_its_own_subject_and_setting() {
+    fn every_kind_has_its_own_subject() {
         let subjects = InputSubjects::default();
         for &kind in InputKind::ALL {
             assert_eq!(subjects.kind_of(kind.default_subject()), Some(kind));
             assert!(kind.default_subject().starts_with("devicelist.in."));
-            assert!(kind.setting().starts_with("input_") && kind.setting().ends_with("_subject"));
         }
-        let mut settings: Vec<&str> = InputKind::ALL.iter().map(|k| k.setting()).collect();
-        settings.dedup();
-        assert_eq!(settings.len(), InputKind::ALL.len());
         assert_eq!(subjects.kind_of("devicelist.in.other"), None);
     }
 }

@@ -12,6 +12,7 @@ pub mod kind;
 pub mod membership;
 pub mod resync;
 pub mod signing_key;
+pub mod tracking;
 pub mod update;
 
 use ruma::{ServerName, UserId};
@@ -22,6 +23,7 @@ pub use kind::{InputKind, InputSubjects};
 pub use membership::{MemberKeyLink, MembershipChange};
 pub use resync::ResyncRequest;
 pub use signing_key::SigningKeyUpdate;
+pub use tracking::{RoomRules, Tracking};
 pub use update::DeviceListUpdate;
 
 /// Largest accepted message body, in bytes (an EDU is capped at 64 KiB by most servers).
@@ -95,19 +97,17 @@ pub enum Parsed {
 pub struct Rules<'a> {
     /// Our server: updates about its users are ignored.
     pub own_server: &'a ServerName,
-    /// `DLU_MEMBERSHIP=on`: room input is read (SPEC §5.5).
-    pub membership: bool,
-    /// `DLU_MSC4430=on`: member keys are identities (SPEC §5.6).
-    pub member_keys: bool,
+    /// Whether room input is read, and member keys with it.
+    pub tracking: &'a Tracking,
 }
 
 impl<'a> Rules<'a> {
-    /// Today's defaults: membership and member keys off.
+    /// Membership and member keys off.
     pub fn new(own_server: &'a ServerName) -> Rules<'a> {
+        static EVERYONE: Tracking = Tracking::Everyone;
         Rules {
             own_server,
-            membership: false,
-            member_keys: false,
+            tracking: &EVERYONE,
         }
     }
 }
@@ -119,7 +119,7 @@ pub fn parse(
     origin: Option<&str>,
     rules: &Rules<'_>,
 ) -> Result<Parsed, Rejection> {
-    if kind.is_room_input() && !rules.membership {
+    if kind.is_room_input() && !rules.tracking.by_rooms() {
         return Ok(Parsed::MembershipOff);
     }
     if body.len() > MAX_BODY_BYTES {
@@ -128,7 +128,7 @@ pub fn parse(
             format!("body has {} bytes, more than {MAX_BODY_BYTES}", body.len()),
         ));
     }
-    let message = kind.parse_body(body, rules.member_keys)?;
+    let message = kind.parse_body(body, rules.tracking.member_keys())?;
     // Room input names our own users on purpose (they make a room ours),
     // and comes from our homeserver, not over federation: no origin.
     if kind.is_room_input() {

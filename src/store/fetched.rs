@@ -113,23 +113,10 @@ impl Store {
                 &item.list,
                 max_devices,
             );
-            if let Ok(plan) = &outcome {
-                rows.users.insert(user.clone(), plan.state.clone());
-                for (device, row) in &plan.devices {
-                    rows.devices
-                        .insert((user.clone(), device.clone()), row.clone());
-                }
-                for (usage, json) in &plan.cross_signing {
-                    rows.cross_signing
-                        .insert((user.clone(), *usage), json.clone());
-                }
-                match &plan.still_stale {
-                    Some(mark) => {
-                        rows.stale.insert(user.clone(), mark.clone());
-                    }
-                    None => fresh.push(user.as_str().to_owned()),
-                }
-                rows.events.extend(plan.events.iter().cloned());
+            if let Ok(plan) = &outcome
+                && add_rows(&mut rows, user, plan)
+            {
+                fresh.push(user.as_str().to_owned());
             }
             outcomes.push(outcome);
         }
@@ -154,6 +141,28 @@ impl Store {
         }
         txn.commit().await?;
         Ok((outcomes, outbox))
+    }
+}
+
+/// Adds one user's fetched rows to the group's rows; true if the user is
+/// fresh now (its stale row goes).
+fn add_rows(rows: &mut Plan, user: &OwnedUserId, plan: &FetchPlan) -> bool {
+    rows.users.insert(user.clone(), plan.state.clone());
+    for (device, row) in &plan.devices {
+        rows.devices
+            .insert((user.clone(), device.clone()), row.clone());
+    }
+    for (usage, json) in &plan.cross_signing {
+        rows.cross_signing
+            .insert((user.clone(), *usage), json.clone());
+    }
+    rows.events.extend(plan.events.iter().cloned());
+    match &plan.still_stale {
+        Some(mark) => {
+            rows.stale.insert(user.clone(), mark.clone());
+            false
+        }
+        None => true,
     }
 }
 

@@ -11,6 +11,7 @@ pub(crate) mod fetched;
 mod load;
 pub(crate) mod outbox;
 pub mod query;
+mod room_writes;
 pub mod rooms;
 mod rows;
 mod sharing;
@@ -21,14 +22,14 @@ use std::time::Duration;
 
 use migration::MigratorTrait;
 use sea_orm::{
-    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, DbErr, EntityTrait,
-    SqliteTransactionMode, TransactionOptions, TransactionTrait,
+    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DatabaseTransaction, DbBackend,
+    DbErr, EntityTrait, SqliteTransactionMode, TransactionOptions, TransactionTrait,
 };
 
 use tokio::sync::oneshot;
 
-use crate::decide::{Plan, plan_batch};
-use crate::input::InputMessage;
+use crate::decide::{Plan, RoomSnapshot, plan_batch};
+use crate::input::{InputMessage, Tracking};
 use outbox::OutboxBatch;
 use ruma::{OwnedServerName, OwnedUserId, RoomId, UserId};
 
@@ -143,13 +144,50 @@ impl Turn {
     }
 }
 
+/// How the database's schema compares with this binary's migrations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Schema {
+    /// Every migration this binary knows is applied, and no other.
+    Current,
+    /// Migrations this binary knows are not applied yet (`migrate` applies them).
+    Behind {
+        /// How many.
+        pending: usize,
+    },
+    /// Migrations this binary does not know are applied (a newer binary ran
+    /// `migrate`).
+    Ahead {
+        /// Their names.
+        unknown: Vec<String>,
+    },
+}
+
+/// The lock keys of a batch, sorted and without repeats: the users and
+/// rooms its messages name, and `linked` (users that keys it names stand for).
+fn lock_keys(messages: &[InputMessage], linked: &BTreeSet<OwnedUserId>) -> Vec<String> {
+    let mut keys: Vec<String> = messages
+        .iter()
+        .filter_map(|m| m.user_id().map(UserId::as_str))
+        .chain(
+            messages
+                .iter()
+                .filter_map(|m| m.room_id().map(RoomId::as_str)),
+        )
+        .chain(linked.iter().map(|u| u.as_str()))
+        .map(str::to_owned)
+        .collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys
+}
+
 /// Handle to the database.
 #[derive(Clone, Debug)]
 pub struct Store {
     db: DatabaseConnection,
-    /// With membership on (SPEC §5.5): our server, whose identities make a
-    /// room ours; only users sharing a room are tracked. None: off.
-    own_server: Option<OwnedServerName>,
+    /// Who is tracked: with rooms deciding (SPEC §5.5), batches keep room
+    /// state and users sharing no room are not tracked.
+    tracking: Tracking,
 }
 
 impl Store {
@@ -182,20 +220,24 @@ impl Store {
         }
         Ok(Store {
             db: Database::connect(options).await?,
-            own_server: None,
+            tracking: Tracking::Everyone,
         })
     }
 
-    /// This store with membership on (SPEC §5.5) for our server `own`:
-    /// batches keep room state, and users sharing no room are not tracked.
-    pub fn with_membership(mut self, own: OwnedServerName) -> Store {
-        self.own_server = Some(own);
+    /// This store deciding who is tracked by `tracking`.
+    pub fn with_tracking(mut self, tracking: Tracking) -> Store {
+        self.tracking = tracking;
         self
     }
 
-    /// Whether membership decides who is tracked.
+    /// Whether rooms decide who is tracked (membership on).
     pub fn membership(&self) -> bool {
-        self.own_server.is_some()
+        self.tracking.by_rooms()
+    }
+
+    /// Our server, when rooms decide who is tracked.
+    fn rooms_own_server(&self) -> Option<&OwnedServerName> {
+        self.tracking.rooms().map(|rules| &rules.own_server)
     }
 
     /// Connects, retrying until `wait` has passed; a refusal that waiting
@@ -207,6 +249,40 @@ impl Store {
     /// Applies pending migrations.
     pub async fn migrate(&self) -> Result<(), DbErr> {
         migration::Migrator::up(&self.db, None).await
+    }
+
+    /// How the database's schema compares with this binary's migrations,
+    /// read without changing anything (no table is created).
+    pub async fn schema(&self) -> Result<Schema, DbErr> {
+        use migration::seaql_migrations;
+        let known: Vec<String> = migration::Migrator::migrations()
+            .iter()
+            .map(|m| m.name().to_owned())
+            .collect();
+        let manager = migration::SchemaManager::new(&self.db);
+        let applied: BTreeSet<String> = if manager.has_table("seaql_migrations").await? {
+            seaql_migrations::Entity::find()
+                .all(&self.db)
+                .await?
+                .into_iter()
+                .map(|row| row.version)
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
+        let unknown: Vec<String> = applied
+            .iter()
+            .filter(|name| !known.contains(name))
+            .cloned()
+            .collect();
+        if !unknown.is_empty() {
+            return Ok(Schema::Ahead { unknown });
+        }
+        let pending = known.iter().filter(|name| !applied.contains(*name)).count();
+        Ok(match pending {
+            0 => Schema::Current,
+            pending => Schema::Behind { pending },
+        })
     }
 
     /// The underlying connection (for tests and admin commands).
@@ -251,47 +327,7 @@ impl Store {
             // An error means the previous batch gave up: nothing to wait for.
             let _ = previous_locked.await;
         }
-        // Every lock in one sorted round (docs/design.md, "One lock order"):
-        // the users the messages name, their rooms (room ids and user ids
-        // never collide: `!` and `@`), and the users that stored links of
-        // the keys they name stand for, read before locking. A link stored
-        // meanwhile for a user not locked (rare: only a batch holding the
-        // room's lock writes its links) means a new round with that user.
-        let mut linked_before: BTreeSet<OwnedUserId> = BTreeSet::new();
-        let (txn, rooms, keys) = loop {
-            let txn = self.begin_write().await?;
-            if self.own_server.is_some() {
-                linked_before.extend(rooms::linked_users(&txn, messages).await?);
-            }
-            let mut keys: Vec<String> = messages
-                .iter()
-                .filter_map(|m| m.user_id().map(UserId::as_str))
-                .chain(
-                    messages
-                        .iter()
-                        .filter_map(|m| m.room_id().map(RoomId::as_str)),
-                )
-                .chain(linked_before.iter().map(|u| u.as_str()))
-                .map(str::to_owned)
-                .collect();
-            keys.sort_unstable();
-            keys.dedup();
-            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            lock_users(&txn, &refs).await?;
-            let Some(own) = &self.own_server else {
-                break (txn, None, keys);
-            };
-            let (rooms, linked) = rooms::load_rooms(&txn, own, messages).await?;
-            let locked = |u: &OwnedUserId| {
-                keys.binary_search_by(|k| k.as_str().cmp(u.as_str()))
-                    .is_ok()
-            };
-            if linked.iter().all(locked) {
-                break (txn, Some(rooms), keys);
-            }
-            linked_before.extend(linked);
-            txn.rollback().await?;
-        };
+        let (txn, rooms, keys) = self.lock_batch(messages).await?;
         if let Some(locked) = turn.locked {
             let _ = locked.send(());
         }
@@ -306,8 +342,8 @@ impl Store {
             snapshot.rooms = Some(rooms);
         }
         let plan = plan_batch(snapshot, messages, now_ms);
-        if let Some(own) = &self.own_server {
-            rooms::write(&txn, &plan.rooms, own).await?;
+        if let Some(own) = self.rooms_own_server() {
+            room_writes::write(&txn, &plan.rooms, own).await?;
         }
         let outbox = write::plan(&txn, &plan, now_ms).await?;
         if let Some(previous_committed) = turn.previous_committed
@@ -321,6 +357,43 @@ impl Store {
             let _ = committed.send(true);
         }
         Ok(Some(Applied { plan, outbox }))
+    }
+
+    /// Begins a batch's transaction and takes every lock it needs in one
+    /// sorted round (docs/design.md, "One lock order"): the users the
+    /// messages name, their rooms (room ids and user ids never collide: `!`
+    /// and `@`), and the users that stored links of the keys they name stand
+    /// for, read before locking. A link stored meanwhile for a user not
+    /// locked (rare: only a batch holding the room's lock writes its links)
+    /// means a new round with that user. Returns the transaction, the room
+    /// state when rooms decide, and the keys locked, sorted.
+    async fn lock_batch(
+        &self,
+        messages: &[InputMessage],
+    ) -> Result<(DatabaseTransaction, Option<RoomSnapshot>, Vec<String>), DbErr> {
+        let mut linked_before: BTreeSet<OwnedUserId> = BTreeSet::new();
+        loop {
+            let txn = self.begin_write().await?;
+            if self.membership() {
+                linked_before.extend(rooms::linked_users(&txn, messages).await?);
+            }
+            let keys = lock_keys(messages, &linked_before);
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            lock_users(&txn, &refs).await?;
+            let Some(own) = self.rooms_own_server() else {
+                return Ok((txn, None, keys));
+            };
+            let (rooms, linked) = rooms::load_rooms(&txn, own, messages).await?;
+            let locked = |u: &OwnedUserId| {
+                keys.binary_search_by(|k| k.as_str().cmp(u.as_str()))
+                    .is_ok()
+            };
+            if linked.iter().all(locked) {
+                return Ok((txn, Some(rooms), keys));
+            }
+            linked_before.extend(linked);
+            txn.rollback().await?;
+        }
     }
 
     /// Begins a transaction that writes. On SQLite it takes the write lock

@@ -95,27 +95,38 @@ impl Store {
             }
         }
         if self.membership() {
-            let ids: Vec<&str> = users.iter().map(String::as_str).collect();
-            let shared = self.shared_rooms(&ids).await?;
-            // Counted in rooms, but in none that is ours now: our server
-            // left them and their sweep has not removed this user's rows
-            // yet. It is untracked from the leave on (SPEC §5.5.4).
-            let leaving: std::collections::BTreeSet<ruma::OwnedUserId> =
-                super::rooms::shared_counts(&self.db, &ids, false)
-                    .await?
-                    .into_iter()
-                    .filter(|(user, n)| *n > 0 && !shared.contains_key(user))
-                    .map(|(user, _)| user)
-                    .collect();
-            for (user, view) in views.iter_mut() {
-                let user = ruma::UserId::parse(user.as_str()).ok();
-                if user.as_ref().is_some_and(|u| leaving.contains(u)) {
-                    *view = UserView::default();
-                }
-                let count = user.and_then(|u| shared.get(&u).copied());
-                view.shared_rooms = Some(count.unwrap_or(0));
-            }
+            self.add_sharing(users, &mut views).await?;
         }
         Ok(views)
+    }
+
+    /// With rooms deciding: each view's shared rooms now, and a user whose
+    /// rooms are all rooms our server left shown untracked.
+    async fn add_sharing(
+        &self,
+        users: &[String],
+        views: &mut BTreeMap<String, UserView>,
+    ) -> Result<(), DbErr> {
+        let ids: Vec<&str> = users.iter().map(String::as_str).collect();
+        let shared = self.shared_rooms(&ids).await?;
+        // Counted in rooms, but in none that is ours now: our server
+        // left them and their sweep has not removed this user's rows
+        // yet. It is untracked from the leave on (SPEC §5.5.4).
+        let leaving: std::collections::BTreeSet<ruma::OwnedUserId> =
+            super::rooms::shared_counts(&self.db, &ids, false)
+                .await?
+                .into_iter()
+                .filter(|(user, n)| *n > 0 && !shared.contains_key(user))
+                .map(|(user, _)| user)
+                .collect();
+        for (user, view) in views.iter_mut() {
+            let user = ruma::UserId::parse(user.as_str()).ok();
+            if user.as_ref().is_some_and(|u| leaving.contains(u)) {
+                *view = UserView::default();
+            }
+            let count = user.and_then(|u| shared.get(&u).copied());
+            view.shared_rooms = Some(count.unwrap_or(0));
+        }
+        Ok(())
     }
 }

@@ -3,23 +3,19 @@
 
 use std::collections::BTreeSet;
 
-use entity::{
-    cross_signing_key, member_key_link, remote_device, remote_user, room, room_member, room_user,
-    shared_user, stale_user,
-};
-use ruma::{OwnedRoomId, OwnedServerName, OwnedUserId, RoomId, ServerName};
-use sea_orm::sea_query::OnConflict;
+use entity::{member_key_link, room, room_member, room_user, shared_user};
+use ruma::{OwnedRoomId, OwnedServerName, OwnedUserId, RoomId};
 use sea_orm::{
-    ActiveValue::Set, ColumnTrait, ConnectionTrait, DbBackend, DbErr, EntityTrait, QueryFilter,
-    QueryOrder, QuerySelect,
+    ColumnTrait, ConnectionTrait, DbBackend, DbErr, EntityTrait, QueryFilter, QueryOrder,
+    QuerySelect,
 };
 
 use super::rows::CHUNK;
-use super::write::upsert;
 use super::{Store, lock_users, write};
 use crate::decide::Plan;
 use crate::decide::membership::{Link, Member};
-use crate::decide::rooms::{RoomRow, RoomSnapshot, RoomUser, RoomWrites, plan_sweep};
+use crate::decide::rooms::plan_sweep;
+use crate::decide::{RoomRow, RoomSnapshot, RoomUser, RoomWrites};
 use crate::input::InputMessage;
 use crate::input::identity::{Identity, MemberKey};
 use crate::input::membership::Membership;
@@ -233,164 +229,6 @@ fn insert_pair(snapshot: &mut RoomSnapshot, row: room_user::Model) {
     }
 }
 
-/// A count as stored (an `integer` column).
-pub(super) fn to_i32(n: u32) -> i32 {
-    i32::try_from(n).unwrap_or(i32::MAX)
-}
-
-/// Writes the room rows of a plan. Untracking comes first: every row of
-/// the users that stopped sharing goes, in this transaction (SPEC §5.5.4);
-/// rows the same plan writes for them afterwards (a rejoin) then stand.
-/// PostgreSQL takes the array statements of `bulk_rooms.rs`; these are the
-/// portable ones.
-pub(super) async fn write<C: ConnectionTrait>(
-    db: &C,
-    writes: &RoomWrites,
-    own: &ServerName,
-) -> Result<(), DbErr> {
-    if db.get_database_backend() == DbBackend::Postgres {
-        return super::bulk_rooms::write(db, writes, own).await;
-    }
-    let untrack: Vec<&str> = writes.untrack.iter().map(|u| u.as_str()).collect();
-    for chunk in untrack.chunks(CHUNK) {
-        let ids = || chunk.iter().copied();
-        remote_device::Entity::delete_many()
-            .filter(remote_device::Column::UserId.is_in(ids()))
-            .exec(db)
-            .await?;
-        remote_user::Entity::delete_many()
-            .filter(remote_user::Column::UserId.is_in(ids()))
-            .exec(db)
-            .await?;
-        stale_user::Entity::delete_many()
-            .filter(stale_user::Column::UserId.is_in(ids()))
-            .exec(db)
-            .await?;
-        cross_signing_key::Entity::delete_many()
-            .filter(cross_signing_key::Column::UserId.is_in(ids()))
-            .exec(db)
-            .await?;
-    }
-    let rooms: Vec<room::ActiveModel> = writes
-        .rooms
-        .iter()
-        .map(|(id, row)| room::ActiveModel {
-            room_id: Set(id.to_string()),
-            local_joined: Set(to_i32(row.local_joined)),
-            sweep: Set(row.sweep),
-        })
-        .collect();
-    upsert(
-        db,
-        &rooms,
-        OnConflict::column(room::Column::RoomId)
-            .update_columns([room::Column::LocalJoined, room::Column::Sweep])
-            .to_owned(),
-    )
-    .await?;
-    let members: Vec<room_member::ActiveModel> = writes
-        .members
-        .iter()
-        .map(|((room, identity), member)| room_member::ActiveModel {
-            room_id: Set(room.to_string()),
-            identity: Set(identity.as_str().to_owned()),
-            membership: Set(member.membership.as_str().to_owned()),
-            stream_ordering: Set(member.stream_ordering),
-        })
-        .collect();
-    upsert(
-        db,
-        &members,
-        OnConflict::columns([room_member::Column::RoomId, room_member::Column::Identity])
-            .update_columns([
-                room_member::Column::Membership,
-                room_member::Column::StreamOrdering,
-            ])
-            .to_owned(),
-    )
-    .await?;
-    let links: Vec<member_key_link::ActiveModel> = writes
-        .links
-        .iter()
-        .map(|((room, key), link)| member_key_link::ActiveModel {
-            room_id: Set(room.to_string()),
-            member_key: Set(key.as_str().to_owned()),
-            user_id: Set(link.user.as_ref().map(ToString::to_string)),
-            erased: Set(link.erased),
-            verified: Set(link.verified),
-            stream_ordering: Set(link.stream_ordering),
-        })
-        .collect();
-    upsert(
-        db,
-        &links,
-        OnConflict::columns([
-            member_key_link::Column::RoomId,
-            member_key_link::Column::MemberKey,
-        ])
-        .update_columns([
-            member_key_link::Column::UserId,
-            member_key_link::Column::Erased,
-            member_key_link::Column::Verified,
-            member_key_link::Column::StreamOrdering,
-        ])
-        .to_owned(),
-    )
-    .await?;
-    // `remote` is stored so the sweep selects remote pairs without
-    // parsing user ids.
-    let pairs: Vec<room_user::ActiveModel> = writes
-        .room_users
-        .iter()
-        .map(|((room, user), pair)| room_user::ActiveModel {
-            room_id: Set(room.to_string()),
-            remote: Set(user.server_name() != own),
-            user_id: Set(user.to_string()),
-            joined: Set(to_i32(pair.joined)),
-            shares: Set(pair.shares),
-        })
-        .collect();
-    upsert(
-        db,
-        &pairs,
-        OnConflict::columns([room_user::Column::RoomId, room_user::Column::UserId])
-            .update_columns([room_user::Column::Joined, room_user::Column::Shares])
-            .to_owned(),
-    )
-    .await?;
-    let gone: Vec<&str> = writes
-        .shared
-        .iter()
-        .filter(|(_, n)| **n == 0)
-        .map(|(u, _)| u.as_str())
-        .collect();
-    for chunk in gone.chunks(CHUNK) {
-        shared_user::Entity::delete_many()
-            .filter(shared_user::Column::UserId.is_in(chunk.iter().copied()))
-            .exec(db)
-            .await?;
-    }
-    let counts: Vec<shared_user::ActiveModel> = writes
-        .shared
-        .iter()
-        .filter(|(_, n)| **n > 0)
-        .map(|(user, n)| shared_user::ActiveModel {
-            user_id: Set(user.to_string()),
-            server_name: Set(user.server_name().to_string()),
-            shared_rooms: Set(to_i32(*n)),
-        })
-        .collect();
-    upsert(
-        db,
-        &counts,
-        OnConflict::column(shared_user::Column::UserId)
-            .update_column(shared_user::Column::SharedRooms)
-            .to_owned(),
-    )
-    .await?;
-    Ok(())
-}
-
 /// What one sweep transaction did.
 #[derive(Debug)]
 pub struct SweepChunk {
@@ -437,7 +275,7 @@ impl Store {
     /// counted state is wrong, in one transaction under the room's and the
     /// users' locks. Ends the sweep when none is left.
     pub async fn sweep_room(&self, room_id: &RoomId, now_ms: i64) -> Result<SweepChunk, DbErr> {
-        let Some(own) = self.own_server.clone() else {
+        let Some(own) = self.rooms_own_server().cloned() else {
             return Ok(SweepChunk {
                 plan: Plan::default(),
                 done: true,
@@ -497,7 +335,7 @@ impl Store {
         };
         snapshot.rooms = Some(rooms);
         let mut plan = plan_sweep(snapshot, room_id, &users, last, now_ms);
-        write(&txn, &plan.rooms, &own).await?;
+        super::room_writes::write(&txn, &plan.rooms, &own).await?;
         write::plan(&txn, &plan, now_ms).await?;
         txn.commit().await?;
         if last && ours(Some(&row)) {
@@ -600,7 +438,7 @@ impl Store {
     /// transaction under their locks (SPEC §5.5.9); a user that started
     /// sharing since it was listed stays. Returns the untracked.
     pub async fn untrack_unshared(&self, users: &[OwnedUserId]) -> Result<Vec<OwnedUserId>, DbErr> {
-        let Some(own) = self.own_server.clone() else {
+        let Some(own) = self.rooms_own_server().cloned() else {
             return Ok(Vec::new());
         };
         let txn = self.begin_write().await?;
@@ -620,7 +458,7 @@ impl Store {
                 .collect(),
             ..RoomWrites::default()
         };
-        write(&txn, &writes, &own).await?;
+        super::room_writes::write(&txn, &writes, &own).await?;
         txn.commit().await?;
         Ok(writes.untrack.into_iter().collect())
     }

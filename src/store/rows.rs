@@ -14,6 +14,11 @@ use crate::input::cross_signing::KeyUsage;
 /// Rows per `IN (…)` list, well below every backend's parameter limit.
 pub(super) const CHUNK: usize = 500;
 
+/// A count as stored (an `integer` column).
+pub(super) fn to_i32(n: u32) -> i32 {
+    i32::try_from(n).unwrap_or(i32::MAX)
+}
+
 /// A user's stream state.
 pub(super) fn user_state(row: remote_user::Model) -> Option<(OwnedUserId, UserState)> {
     let user = OwnedUserId::try_from(row.user_id).ok()?;

@@ -13,7 +13,7 @@ use serde_json::json;
 use super::remote::{MockFederation, Reply, device_keys, device_list};
 use super::{Nats, stream_len, wait_for};
 use crate::config::{Config, Settings};
-use crate::signing_key::SigningKey;
+use crate::server_key::ServerKey;
 use crate::worker;
 
 const ALICE: &str = "@alice:remote.example";
@@ -38,13 +38,13 @@ impl Stage {
     async fn start(say: &mut impl FnMut(String), tune: impl FnOnce(&mut Config)) -> Stage {
         let nats = Nats::start().await;
         let dir = tempfile::tempdir().expect("temporary directory");
-        let key = SigningKey::generate().expect("signing key");
+        let key = ServerKey::generate().expect("signing key");
         let database_url = format!(
             "sqlite://{}?mode=rwc",
             dir.path().join("demo.sqlite").display()
         );
         let mut config = Config::for_tests("our.example", &nats.url, &database_url);
-        config.signing_key = key;
+        config.server_key = key;
         config.settings.retry_min = Duration::from_secs(1);
         config.settings.retry_max = Duration::from_secs(10);
         config.settings.lease_ttl = Duration::from_secs(10);

@@ -155,16 +155,26 @@ impl MockFederation {
         }
     }
 
+    /// A fleet that accepts requests signed as `origin` with `key`.
+    pub async fn trusting_key(
+        origin: &str,
+        key: &crate::server_key::ServerKey,
+        latency: Duration,
+    ) -> MockFederation {
+        let public_key = key.key_pair().expect("usable signing key").public_key();
+        MockFederation::start(origin, key.version(), public_key, latency).await
+    }
+
     /// A fleet that accepts requests signed as `config`'s server with its key.
     pub async fn trusting(config: &crate::config::Config, latency: Duration) -> MockFederation {
         let public_key = config
-            .signing_key
+            .server_key
             .key_pair()
             .expect("usable signing key")
             .public_key();
         let fleet = MockFederation::start(
             config.server_name.as_str(),
-            config.signing_key.version(),
+            config.server_key.version(),
             public_key,
             latency,
         )
@@ -356,7 +366,18 @@ async fn devices(
     if !shared.latency.is_zero() {
         tokio::time::sleep(shared.latency).await;
     }
-    let response = match reply {
+    let response = respond(reply).await;
+    if let Ok(mut fleet) = shared.fleet.lock()
+        && let Some(n) = fleet.in_flight.get_mut(&destination)
+    {
+        *n -= 1;
+    }
+    response
+}
+
+/// The HTTP answer a scripted reply stands for (none scripted: 404).
+async fn respond(reply: Option<Reply>) -> Response {
+    match reply {
         None => (
             StatusCode::NOT_FOUND,
             axum::Json(serde_json::json!({"errcode": "M_NOT_FOUND"})),
@@ -382,13 +403,36 @@ async fn devices(
             std::future::pending::<()>().await;
             unreachable!()
         }
-    };
-    if let Ok(mut fleet) = shared.fleet.lock()
-        && let Some(n) = fleet.in_flight.get_mut(&destination)
-    {
-        *n -= 1;
     }
-    response
+}
+
+/// A fleet for a worker run as a process: a new key of our server
+/// (`origin`) written to a file of its own, and a fleet that trusts it.
+pub struct KeyedFleet {
+    /// The fleet.
+    pub fleet: MockFederation,
+    /// Our server's key (for a worker started in-process beside it).
+    pub key: crate::server_key::ServerKey,
+    /// The key file the worker reads (`DLU_SIGNING_KEY_PATH`).
+    pub key_path: std::path::PathBuf,
+    /// Holds the key file.
+    _dir: tempfile::TempDir,
+}
+
+impl KeyedFleet {
+    /// Writes a new key and starts a fleet trusting it.
+    pub async fn start(origin: &str, latency: Duration) -> KeyedFleet {
+        let dir = tempfile::tempdir().expect("a temporary folder");
+        let key_path = dir.path().join("signing.key");
+        let key = crate::server_key::ServerKey::generate().expect("a new key");
+        key.write_new(&key_path).expect("key file written");
+        KeyedFleet {
+            fleet: MockFederation::trusting_key(origin, &key, latency).await,
+            key,
+            key_path,
+            _dir: dir,
+        }
+    }
 }
 
 /// A device-list answer for `user` with `devices` (device id, display name),

@@ -57,6 +57,23 @@ impl Env {
     /// Stops the worker (SIGTERM's path), deletes the fetch stream when
     /// `lose_queue`, and starts a new worker on the same NATS and database.
     pub async fn restart(self, lose_queue: bool) -> Env {
+        self.restart_after(async |js, _| {
+            if lose_queue {
+                js.delete_stream("DEVICE_LIST_FETCH")
+                    .await
+                    .expect("delete the fetch stream");
+            }
+        })
+        .await
+    }
+
+    /// Stops the worker, runs `between` while none runs (it may publish,
+    /// so that one pull takes everything at once, or change the fleet), and
+    /// starts the worker again with the same configuration.
+    pub async fn restart_after(
+        self,
+        between: impl AsyncFnOnce(&async_nats::jetstream::Context, &MockFederation),
+    ) -> Env {
         let Env {
             nats,
             db,
@@ -66,11 +83,7 @@ impl Env {
             config,
         } = self;
         worker.stop(Duration::from_secs(10)).await;
-        if lose_queue {
-            js.delete_stream("DEVICE_LIST_FETCH")
-                .await
-                .expect("delete the fetch stream");
-        }
+        between(&js, &fleet).await;
         let worker = worker::start(config.clone())
             .await
             .expect("worker restarts");

@@ -298,6 +298,21 @@ pub fn metric_sample(text: &str, name: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
+/// The binary exited 2 with one `device-list-updater:` line on stderr,
+/// holding every one of `needles`.
+pub fn one_line_error(output: &std::process::Output, needles: &[&str]) {
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("device-list-updater:"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    for needle in needles {
+        assert!(lines[0].contains(needle), "{needle:?} not in {stderr}");
+    }
+}
+
 /// The binary under test.
 pub fn binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_device-list-updater"))

@@ -1,4 +1,5 @@
-//! The ed25519 signing key file: one line, `ed25519 <version> <unpadded
+//! Our server's federation key: the ed25519 key requests are signed with
+//!. Its file: one line, `ed25519 <version> <unpadded
 //! base64 of the 32-byte seed>` (Synapse's `signing.key` format).
 
 use std::fmt;
@@ -7,9 +8,9 @@ use std::path::Path;
 use base64::Engine as _;
 use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD};
 
-/// A signing key: its version (the part after `ed25519:` in key ids) and seed.
+/// Our server's federation key: its version (the part after `ed25519:` in key ids) and seed.
 #[derive(Clone, PartialEq, Eq)]
-pub struct SigningKey {
+pub struct ServerKey {
     version: String,
     seed: [u8; 32],
 }
@@ -30,7 +31,7 @@ pub enum KeyError {
     Format(String),
 }
 
-impl SigningKey {
+impl ServerKey {
     /// Parses the first non-empty line of a key file.
     pub fn parse(text: &str) -> Result<Self, KeyError> {
         let line = text
@@ -66,7 +67,7 @@ impl SigningKey {
         let seed: [u8; 32] = bytes.try_into().map_err(|b: Vec<u8>| {
             KeyError::Format(format!("seed has {} bytes, not 32", b.len()))
         })?;
-        Ok(SigningKey {
+        Ok(ServerKey {
             version: version.to_owned(),
             seed,
         })
@@ -93,7 +94,7 @@ impl SigningKey {
             .iter()
             .map(|b| ALPHABET[usize::from(*b) % ALPHABET.len()] as char)
             .collect();
-        Ok(SigningKey {
+        Ok(ServerKey {
             version: format!("a_{suffix}"),
             seed,
         })
@@ -154,9 +155,9 @@ impl SigningKey {
     }
 }
 
-impl fmt::Debug for SigningKey {
+impl fmt::Debug for ServerKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "SigningKey({}, <secret>)", self.key_id())
+        write!(f, "ServerKey({}, <secret>)", self.key_id())
     }
 }
 
@@ -166,8 +167,8 @@ mod tests {
 
     #[test]
     fn round_trips_through_the_file_format() {
-        let key = SigningKey::generate().unwrap();
-        let parsed = SigningKey::parse(&key.to_line()).unwrap();
+        let key = ServerKey::generate().unwrap();
+        let parsed = ServerKey::parse(&key.to_line()).unwrap();
         assert_eq!(parsed, key);
         assert!(key.key_id().starts_with("ed25519:a_"));
         assert!(!format!("{key:?}").contains(&STANDARD_NO_PAD.encode(key.seed())));
@@ -176,7 +177,7 @@ mod tests {
     #[test]
     fn parses_synapse_keys_and_refuses_bad_ones() {
         let line = "ed25519 a_AbCd nqOvzeuGWT/sRx3h7+MHoInYj3Uk2LD/unI9kDYcHwk\n";
-        assert_eq!(SigningKey::parse(line).unwrap().key_id(), "ed25519:a_AbCd");
+        assert_eq!(ServerKey::parse(line).unwrap().key_id(), "ed25519:a_AbCd");
         for bad in [
             "",
             "ed25519 a_x",
@@ -184,7 +185,7 @@ mod tests {
             "ed25519 a-x nqOv",
             "ed25519 a_x AAAA",
         ] {
-            assert!(SigningKey::parse(bad).is_err(), "{bad}");
+            assert!(ServerKey::parse(bad).is_err(), "{bad}");
         }
     }
 }

@@ -25,8 +25,14 @@ use std::time::Duration;
 use ruma::OwnedServerName;
 use serde::Deserialize;
 
-use crate::input::{InputKind, InputSubjects};
-use crate::signing_key::{KeyError, SigningKey};
+use crate::input::{InputKind, InputSubjects, RoomRules, Tracking};
+
+mod args;
+mod value;
+
+use crate::server_key::{KeyError, ServerKey};
+pub use args::SettingsArgs;
+pub use value::OverrideError;
 
 /// A setting that is missing or wrong. Its `Display` is the one line printed
 /// before exiting with code 2.
@@ -65,11 +71,6 @@ pub enum ConfigError {
 /// The environment variable of a setting.
 pub fn env_name(key: &str) -> String {
     format!("DLU_{}", key.to_uppercase())
-}
-
-/// The flag of a setting.
-fn flag_name(key: &str) -> String {
-    key.replace('_', "-")
 }
 
 /// How log lines are written to stderr.
@@ -229,94 +230,10 @@ impl Default for Settings {
     }
 }
 
-/// Values given as flags, by key (only those given on the command line).
-#[derive(Clone, Debug, Default)]
-pub struct SettingsArgs(Vec<(&'static str, String)>);
-
-impl SettingsArgs {
-    /// Flags as if given on the command line (for tests).
-    pub fn from_pairs(pairs: &[(&'static str, &str)]) -> SettingsArgs {
-        SettingsArgs(pairs.iter().map(|(k, v)| (*k, (*v).to_owned())).collect())
-    }
-}
-
-impl clap::Args for SettingsArgs {
-    fn augment_args(command: clap::Command) -> clap::Command {
-        Settings::keys().iter().fold(command, |command, &key| {
-            command.arg(
-                clap::Arg::new(key)
-                    .long(flag_name(key))
-                    .value_name("VALUE")
-                    .help(format!("{} [env: {}]", describe(key), env_name(key))),
-            )
-        })
-    }
-
-    fn augment_args_for_update(command: clap::Command) -> clap::Command {
-        Self::augment_args(command)
-    }
-}
-
-impl clap::FromArgMatches for SettingsArgs {
-    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
-        let given = Settings::keys()
-            .iter()
-            .filter_map(|&key| Some((key, matches.get_one::<String>(key)?.clone())))
-            .collect();
-        Ok(SettingsArgs(given))
-    }
-
-    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
-        *self = Self::from_arg_matches(matches)?;
-        Ok(())
-    }
-}
-
 /// A path setting that is set and not empty (an empty environment variable
 /// leaves it unset).
-fn given(path: &Option<PathBuf>) -> Option<&PathBuf> {
+pub fn given(path: &Option<PathBuf>) -> Option<&PathBuf> {
     path.as_ref().filter(|p| !p.as_os_str().is_empty())
-}
-
-/// One line of `--help` per setting; `docs/configuration.md` has the rest.
-/// A unit test checks that every key has one.
-fn describe(key: &str) -> &'static str {
-    match key {
-        "server_name" => "our homeserver's name (required by run)",
-        "signing_key_path" => "ed25519 signing key file (required by run)",
-        "database_url" => "sqlite://… or postgres://…",
-        "nats_url" => "NATS server(s), comma-separated (user:password@ or token@ authenticate)",
-        "nats_creds" => "NATS .creds file",
-        "nats_nkey_seed" => "file holding a NATS NKey user seed",
-        "nats_tls_ca" => "CA certificate (PEM) of the NATS servers; requires TLS",
-        "nats_tls_cert" => "client certificate (PEM) for NATS mutual TLS",
-        "nats_tls_key" => "key (PEM) of the NATS client certificate",
-        "http_addr" => "health and metrics listener",
-        "federation_overrides" => "server=base_url,…: fixed base URLs",
-        "federation_timeout" => "per federation request",
-        "retry_min" => "first wait after a failed fetch",
-        "retry_max" => "cap of every back-off",
-        "startup_spread" => "spread of the start-up rescan",
-        "max_devices" => "fetched lists with more devices are not stored",
-        "input_update_subject" => "subject of device-list updates",
-        "input_signing_key_subject" => "subject of signing-key updates",
-        "input_resync_subject" => "subject of resync requests",
-        "input_membership_subject" => "subject of room membership changes",
-        "input_member_key_subject" => "subject of MSC4430 member-key links",
-        "membership" => "on: track only users sharing a room with us",
-        "msc4430" => "on: accept MSC4430 member keys as room identities",
-        "batch_size" => "input messages per batch (one transaction each)",
-        "startup_timeout" => "wait for NATS and the database at start-up",
-        "lease_ttl" => "input lease length",
-        "max_deliver" => "deliveries of an input message before it is dead-lettered",
-        "ack_wait" => "redelivery wait of unacked input and fetch jobs",
-        "fetch_concurrency" => "remote servers fetched from at once",
-        "stream_replicas" => "replicas of the streams and KV buckets it creates (3 on a cluster)",
-        "log_format" => "text or json",
-        #[cfg(feature = "testkit")]
-        "fault" => "fault injection (test builds only)",
-        _ => "",
-    }
 }
 
 impl Settings {
@@ -418,25 +335,33 @@ impl Settings {
         Ok(())
     }
 
-    /// Where NATS is and the credentials to use there.
-    pub fn nats(&self) -> crate::bus::NatsConnection {
-        crate::bus::NatsConnection {
-            urls: self.nats_url.clone(),
-            creds: given(&self.nats_creds).cloned(),
-            nkey_seed: given(&self.nats_nkey_seed).cloned(),
-            tls_ca: given(&self.nats_tls_ca).cloned(),
-            tls_client: given(&self.nats_tls_cert)
-                .cloned()
-                .zip(given(&self.nats_tls_key).cloned()),
-        }
-    }
-
     /// The fault injection asked for (none outside test builds).
     pub fn faults(&self) -> crate::faults::Faults {
         #[cfg(feature = "testkit")]
         return crate::faults::Faults::armed(self.fault);
         #[cfg(not(feature = "testkit"))]
         crate::faults::Faults::default()
+    }
+
+    /// Who is tracked when our server is `own_server`: the one membership
+    /// switch the parts are given.
+    pub fn tracking_for(&self, own_server: &OwnedServerName) -> Tracking {
+        match self.membership {
+            Switch::Off => Tracking::Everyone,
+            Switch::On => Tracking::SharedRooms(RoomRules {
+                own_server: own_server.clone(),
+                member_keys: self.msc4430.is_on(),
+            }),
+        }
+    }
+
+    /// Who is tracked, from `server_name`: rooms deciding needs it.
+    pub fn tracking(&self) -> Result<Tracking, ConfigError> {
+        match (&self.server_name, self.membership) {
+            (Some(own_server), _) => Ok(self.tracking_for(own_server)),
+            (None, Switch::Off) => Ok(Tracking::Everyone),
+            (None, Switch::On) => Err(ConfigError::Missing { key: "server_name" }),
+        }
     }
 
     /// The configured subject of each input kind.
@@ -467,7 +392,7 @@ pub struct Config {
     /// Our homeserver's name.
     pub server_name: OwnedServerName,
     /// The key federation requests are signed with.
-    pub signing_key: SigningKey,
+    pub server_key: ServerKey,
     /// Everything else.
     pub settings: Settings,
 }
@@ -485,10 +410,10 @@ impl Config {
             .ok_or(ConfigError::Missing {
                 key: "signing_key_path",
             })?;
-        let signing_key = SigningKey::load(path)?;
+        let server_key = ServerKey::load(path)?;
         Ok(Config {
             server_name,
-            signing_key,
+            server_key,
             settings,
         })
     }
@@ -515,260 +440,11 @@ impl Config {
         };
         Config {
             server_name: OwnedServerName::try_from(server_name).expect("a valid server name"),
-            signing_key: SigningKey::generate().expect("a new signing key"),
+            server_key: ServerKey::generate().expect("a new signing key"),
             settings,
         }
     }
 }
 
-/// Deserialisers for values that arrive as text from the environment and
-/// flags, and as text or TOML values from the file.
-mod value {
-    use std::collections::BTreeMap;
-    use std::str::FromStr;
-    use std::time::Duration;
-
-    use ruma::OwnedServerName;
-    use serde::de::{self, Deserialize, Deserializer, Error as _, Visitor};
-
-    /// A humantime duration: `250ms`, `10s`, `1h`.
-    pub fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
-        humantime::parse_duration(&text).map_err(|e| D::Error::custom(format!("{text:?}: {e}")))
-    }
-
-    /// An integer, as a TOML integer or as text.
-    pub fn number<'de, D, T>(d: D) -> Result<T, D::Error>
-    where
-        D: Deserializer<'de>,
-        T: FromStr + TryFrom<i64>,
-        <T as FromStr>::Err: std::fmt::Display,
-    {
-        #[derive(serde::Deserialize)]
-        #[serde(untagged)]
-        enum IntOrText {
-            Int(i64),
-            Text(String),
-        }
-        match IntOrText::deserialize(d)? {
-            IntOrText::Int(i) => {
-                T::try_from(i).map_err(|_| D::Error::custom(format!("{i} is out of range")))
-            }
-            IntOrText::Text(text) => text
-                .parse()
-                .map_err(|e| D::Error::custom(format!("{text:?}: {e}"))),
-        }
-    }
-
-    /// `server=base_url,server2=base_url2`.
-    pub fn overrides<'de, D: Deserializer<'de>>(
-        d: D,
-    ) -> Result<BTreeMap<OwnedServerName, String>, D::Error> {
-        let text = String::deserialize(d)?;
-        super::parse_overrides(&text).map_err(D::Error::custom)
-    }
-
-    /// The field names a derived `Deserialize` of a struct asks for.
-    pub fn field_names<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
-        let mut names: &'static [&'static str] = &[];
-        let _ = T::deserialize(FieldNames(&mut names));
-        names
-    }
-
-    /// A deserializer that only records the field list it is given.
-    struct FieldNames<'a>(&'a mut &'static [&'static str]);
-
-    impl<'de> Deserializer<'de> for FieldNames<'_> {
-        type Error = de::value::Error;
-
-        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
-            Err(Self::Error::custom("not a struct"))
-        }
-
-        fn deserialize_struct<V: Visitor<'de>>(
-            self,
-            _: &'static str,
-            fields: &'static [&'static str],
-            _: V,
-        ) -> Result<V::Value, Self::Error> {
-            *self.0 = fields;
-            Err(Self::Error::custom("field names recorded"))
-        }
-
-        serde::forward_to_deserialize_any! {
-            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
-            bytes byte_buf option unit unit_struct newtype_struct seq tuple
-            tuple_struct map enum identifier ignored_any
-        }
-    }
-}
-
-/// Parses `server=base_url,server2=base_url2`.
-fn parse_overrides(raw: &str) -> Result<BTreeMap<OwnedServerName, String>, String> {
-    raw.split(',')
-        .map(str::trim)
-        .filter(|entry| !entry.is_empty())
-        .map(|entry| {
-            let (server, url) = entry
-                .split_once('=')
-                .ok_or_else(|| format!("{entry:?} is not server=base_url"))?;
-            let server =
-                OwnedServerName::try_from(server.trim()).map_err(|e| format!("{server:?}: {e}"))?;
-            let url = url.trim();
-            if !(url.starts_with("http://") || url.starts_with("https://")) {
-                return Err(format!("{url:?} is not an http(s) URL"));
-            }
-            Ok((server, url.trim_end_matches('/').to_owned()))
-        })
-        .collect()
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn key_file(dir: &Path) -> String {
-        let path = dir.join("signing.key");
-        SigningKey::generate().unwrap().write_new(&path).unwrap();
-        path.display().to_string()
-    }
-
-    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect()
-    }
-
-    fn scratch() -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("dlu-config-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
-    #[test]
-    fn flags_over_environment_over_file_and_defaults_fill_the_rest() {
-        let dir = scratch();
-        let file = dir.join("config.toml");
-        std::fs::write(
-            &file,
-            format!(
-                "server_name = \"file.example\"\nsigning_key_path = \"{}\"\nretry_min = \"5s\"\nmax_devices = 7\nbatch_size = 3\n",
-                key_file(&dir)
-            ),
-        )
-        .unwrap();
-        let flags = SettingsArgs::from_pairs(&[("server_name", "flag.example")]);
-        let settings = Settings::load(
-            Some(&file),
-            env(&[
-                ("DLU_SERVER_NAME", "env.example"),
-                ("DLU_BATCH_SIZE", " 9 "),
-                ("DLU_MAX_DEVICES", "  "),
-                ("OTHER", "x"),
-            ]),
-            &flags,
-        )
-        .unwrap();
-        let config = Config::from_settings(settings).unwrap();
-        assert_eq!(config.server_name.as_str(), "flag.example");
-        let settings = &config.settings;
-        assert_eq!(settings.batch_size, 9, "the environment beats the file");
-        assert_eq!(settings.max_devices, 7, "a blank variable is unset");
-        assert_eq!(settings.retry_min, Duration::from_secs(5));
-        assert_eq!(settings.retry_max, Duration::from_secs(3600));
-        assert_eq!(
-            settings.database_url,
-            "sqlite://device-lists.sqlite?mode=rwc"
-        );
-        assert_eq!(settings.http_addr.to_string(), "127.0.0.1:9464");
-        assert_eq!(settings.log_format, LogFormat::Text);
-    }
-
-    #[test]
-    fn bad_settings_say_which() {
-        let dir = scratch();
-        let key = key_file(&dir);
-        let load = |pairs: &[(&str, &str)]| {
-            Settings::load(None, env(pairs), &SettingsArgs::default())
-                .and_then(Config::from_settings)
-                .unwrap_err()
-                .to_string()
-        };
-        assert!(load(&[]).contains("server_name is required"));
-        let err = load(&[
-            ("DLU_SERVER_NAME", "a.example"),
-            ("DLU_SIGNING_KEY_PATH", &key),
-            ("DLU_RETRY_MIN", "soon"),
-        ]);
-        assert!(err.starts_with("retry_min (DLU_RETRY_MIN)"), "{err}");
-        let err = load(&[
-            ("DLU_SERVER_NAME", "a.example"),
-            ("DLU_SIGNING_KEY_PATH", "/nonexistent/key"),
-        ]);
-        assert!(err.starts_with("signing key"), "{err}");
-        let err = load(&[("DLU_BATCH_SIZE", "many")]);
-        assert!(err.starts_with("batch_size"), "{err}");
-        let err = load(&[("DLU_FETCH_CONCURRENCY", "0")]);
-        assert!(err.starts_with("fetch_concurrency"), "{err}");
-        for replicas in ["0", "6"] {
-            let err = load(&[("DLU_STREAM_REPLICAS", replicas)]);
-            assert!(
-                err.contains("stream_replicas") && err.contains("between 1 and 5"),
-                "{err}"
-            );
-        }
-        let err = load(&[("DLU_LOG_FORMAT", "xml")]);
-        assert!(err.contains("DLU_LOG_FORMAT"), "{err}");
-        let err = load(&[("DLU_RETRY_MIN", "2h")]);
-        assert!(err.starts_with("retry_max"), "{err}");
-    }
-
-    #[test]
-    fn unknown_file_keys_are_refused() {
-        let dir = scratch();
-        let file = dir.join("config.toml");
-        std::fs::write(&file, "server_nmae = \"typo.example\"\n").unwrap();
-        let err = Settings::load(Some(&file), env(&[]), &SettingsArgs::default())
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("server_nmae"), "{err}");
-    }
-
-    #[test]
-    fn every_field_is_a_key_with_help() {
-        let keys = Settings::keys();
-        assert!(keys.contains(&"server_name") && keys.contains(&"log_format"));
-        assert!(keys.len() >= 21, "{keys:?}");
-        for key in keys {
-            assert!(!describe(key).is_empty(), "{key} has no --help line");
-        }
-    }
-
-    #[test]
-    fn every_key_is_documented() {
-        let doc = include_str!("../docs/configuration.md");
-        for key in Settings::keys() {
-            if *key == "fault" {
-                continue; // test builds only, described below the table
-            }
-            assert!(
-                doc.contains(&format!("| `{key}` | `{}` |", env_name(key))),
-                "docs/configuration.md has no row for {key}"
-            );
-        }
-    }
-
-    #[test]
-    fn overrides_parse() {
-        let map =
-            parse_overrides("a.example=http://127.0.0.1:8001/, b.example:8448=https://b").unwrap();
-        assert_eq!(map.len(), 2);
-        assert_eq!(
-            map[<&ruma::ServerName>::try_from("a.example").unwrap()],
-            "http://127.0.0.1:8001"
-        );
-        assert!(parse_overrides("nonsense").is_err());
-        assert!(parse_overrides("a.example=ftp://x").is_err());
-    }
-}
+mod tests;

@@ -1,0 +1,113 @@
+//! Every input message that goes to the dead-letter stream (SPEC §4.3), by
+//! one path: rejected by the checks, refused by the planner as a link
+//! conflict, or refused by the database on its own. A message is acked only
+//! once its dead letter is stored.
+
+use async_nats::jetstream::Message;
+use async_nats::jetstream::context::PublishAckFuture;
+
+use super::Ingest;
+use super::check::Item;
+use crate::bus::BusError;
+use crate::bus::dead_letters::{self, DeadLetter};
+use crate::decide::Outcome;
+use crate::input::{DeadReason, InputMessage, Rejection};
+use crate::store::Applied;
+
+impl Ingest {
+    /// Stores a dead letter for each message the checks rejected. Their
+    /// publishes go out together; the batch goes on once every one is stored.
+    pub(super) async fn dead_letter_rejected(&self, items: &[Item]) -> Result<(), BusError> {
+        let mut acks = Vec::new();
+        for item in items {
+            if let Err(rejection) = &item.verdict {
+                acks.push(self.publish_dead_letter(&item.message, rejection).await?);
+            }
+        }
+        for ack in acks {
+            ack.await
+                .map_err(BusError::jetstream("a dead letter was not stored"))?;
+        }
+        Ok(())
+    }
+
+    /// Dead-letters the link changes the planner refused as conflicts
+    /// (SPEC §5.6.2). They are only known after planning, so they go after
+    /// the commit; false if one could not be stored. `covers` names, per
+    /// outcome of `applied` in order, its message's place in `accepted`.
+    pub(super) async fn dead_letter_conflicts(
+        &self,
+        items: &[Item],
+        accepted: &[(usize, &InputMessage)],
+        applied: &[Applied],
+        covers: &[usize],
+    ) -> bool {
+        // A plan has one outcome per message it was given.
+        debug_assert_eq!(
+            applied.iter().map(|a| a.plan.outcomes.len()).sum::<usize>(),
+            covers.len()
+        );
+        let outcomes = applied.iter().flat_map(|a| a.plan.outcomes.iter().copied());
+        for (outcome, &position) in outcomes.zip(covers) {
+            if outcome != Outcome::LinkConflict {
+                continue;
+            }
+            let (index, message) = accepted[position];
+            // Only a link can conflict.
+            let key = match message {
+                InputMessage::MemberKey(link) => link.member_key.as_str(),
+                InputMessage::Update(_)
+                | InputMessage::SigningKey(_)
+                | InputMessage::Resync(_)
+                | InputMessage::Membership(_) => "",
+            };
+            let rejection = Rejection::new(
+                DeadReason::LinkConflict,
+                format!("member key {key} is already linked to another user in this room"),
+            );
+            if !self
+                .store_dead_letter(&items[index].message, &rejection)
+                .await
+            {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Publishes `message`'s dead letter and waits until it is stored; false
+    /// if it was not.
+    pub(super) async fn store_dead_letter(&self, message: &Message, rejection: &Rejection) -> bool {
+        match self.publish_dead_letter(message, rejection).await {
+            Ok(ack) => ack.await.is_ok(),
+            Err(_) => false,
+        }
+    }
+
+    /// Publishes `message`'s dead letter (its id names the input message, so
+    /// a redelivered message's letter is stored once) and counts it.
+    async fn publish_dead_letter(
+        &self,
+        message: &Message,
+        rejection: &Rejection,
+    ) -> Result<PublishAckFuture, BusError> {
+        tracing::info!(reason = %rejection.reason, error = %rejection.error, subject = %message.subject, "dead letter");
+        self.metrics.dead_letter(rejection.reason.as_str());
+        let origin_id = message
+            .info()
+            .map(|i| format!("{}:{}", i.stream, i.stream_sequence))
+            .unwrap_or_else(|_| uuid::Uuid::new_v4().to_string());
+        dead_letters::publish(
+            &self.js,
+            DeadLetter {
+                reason: rejection.reason,
+                error: &rejection.error,
+                source_subject: message.subject.as_str(),
+                headers: message.headers.as_ref(),
+                body: message.payload.clone(),
+                origin_id,
+            },
+        )
+        .await
+    }
+}
