@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 use super::Ingest;
 use super::check::Item;
 use crate::faults::Fault;
-use crate::input::{DeadReason, InputMessage, Rejection};
+use crate::input::{DeadReason, InputMessage};
 use crate::shutdown::Shutdown;
 use crate::store::{Applied, Turn, now_ms};
 
@@ -130,12 +130,10 @@ impl Ingest {
                 if !self.store.ping().await {
                     return None;
                 }
-                let rejection = Rejection::new(
-                    DeadReason::Unprocessable,
-                    format!("the database refused it: {last_error}"),
-                );
+                let error = format!("the database refused it: {last_error}");
+                let message = &items[index].message;
                 if !self
-                    .store_dead_letter(&items[index].message, &rejection)
+                    .store_dead_letter(message, DeadReason::Unprocessable, error)
                     .await
                 {
                     return None;

@@ -61,12 +61,10 @@ impl Ingest {
                 | InputMessage::Resync(_)
                 | InputMessage::Membership(_) => "",
             };
-            let rejection = Rejection::new(
-                DeadReason::LinkConflict,
-                format!("member key {key} is already linked to another user in this room"),
-            );
+            let error = format!("member key {key} is already linked to another user in this room");
+            let message = &items[index].message;
             if !self
-                .store_dead_letter(&items[index].message, &rejection)
+                .store_dead_letter(message, DeadReason::LinkConflict, error)
                 .await
             {
                 return false;
@@ -75,10 +73,16 @@ impl Ingest {
         true
     }
 
-    /// Publishes `message`'s dead letter and waits until it is stored; false
-    /// if it was not.
-    pub(super) async fn store_dead_letter(&self, message: &Message, rejection: &Rejection) -> bool {
-        match self.publish_dead_letter(message, rejection).await {
+    /// Publishes `message`'s dead letter (`reason`, `error`) and waits until
+    /// it is stored; false if it was not.
+    pub(super) async fn store_dead_letter(
+        &self,
+        message: &Message,
+        reason: DeadReason,
+        error: String,
+    ) -> bool {
+        let rejection = Rejection::new(reason, error);
+        match self.publish_dead_letter(message, &rejection).await {
             Ok(ack) => ack.await.is_ok(),
             Err(_) => false,
         }

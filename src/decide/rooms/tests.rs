@@ -22,6 +22,27 @@ fn snapshot() -> Snapshot {
     }
 }
 
+/// A room's row: `local_joined` local identities, a sweep pending or not.
+fn room_row(local_joined: u32, sweep: bool) -> RoomRow {
+    RoomRow {
+        local_joined,
+        sweep,
+    }
+}
+
+/// A (room, user) pair: `joined` identities, counted as sharing or not.
+fn pair(joined: u32, shares: bool) -> RoomUser {
+    RoomUser { joined, shares }
+}
+
+/// A membership joined at stream ordering `at`.
+fn joined_at(at: i64) -> Member {
+    Member {
+        membership: Membership::Join,
+        stream_ordering: at,
+    }
+}
+
 fn room(n: u32) -> OwnedRoomId {
     OwnedRoomId::try_from(format!("!r{n}:our.example")).unwrap()
 }
@@ -182,34 +203,12 @@ fn a_change_before_the_sweep_sets_its_pair_without_counting_twice() {
     // 2 was never counted, so his count stays 1 and he stays tracked.
     let mut s = snapshot();
     let rooms = s.rooms.as_mut().unwrap();
-    rooms.rooms.insert(
-        room(1),
-        RoomRow {
-            local_joined: 1,
-            sweep: false,
-        },
-    );
-    rooms.room_users.insert(
-        (room(1), bob()),
-        RoomUser {
-            joined: 1,
-            shares: true,
-        },
-    );
-    rooms.room_users.insert(
-        (room(2), bob()),
-        RoomUser {
-            joined: 1,
-            shares: false,
-        },
-    );
-    rooms.members.insert(
-        (room(2), Identity::User(bob())),
-        Member {
-            membership: Membership::Join,
-            stream_ordering: 1,
-        },
-    );
+    rooms.rooms.insert(room(1), room_row(1, false));
+    rooms.room_users.insert((room(1), bob()), pair(1, true));
+    rooms.room_users.insert((room(2), bob()), pair(1, false));
+    rooms
+        .members
+        .insert((room(2), Identity::User(bob())), joined_at(1));
     rooms.shared.insert(bob(), 1);
     s.users.insert(bob(), Default::default());
     let plan = plan_batch(
@@ -225,27 +224,11 @@ fn a_change_before_the_sweep_sets_its_pair_without_counting_twice() {
 fn bob_shares_room_1() -> Snapshot {
     let mut s = snapshot();
     let rooms = s.rooms.as_mut().unwrap();
-    rooms.rooms.insert(
-        room(1),
-        RoomRow {
-            local_joined: 1,
-            sweep: false,
-        },
-    );
-    rooms.members.insert(
-        (room(1), Identity::parse(ME, true).unwrap()),
-        Member {
-            membership: Membership::Join,
-            stream_ordering: 1,
-        },
-    );
-    rooms.room_users.insert(
-        (room(1), bob()),
-        RoomUser {
-            joined: 1,
-            shares: true,
-        },
-    );
+    rooms.rooms.insert(room(1), room_row(1, false));
+    rooms
+        .members
+        .insert((room(1), Identity::parse(ME, true).unwrap()), joined_at(1));
+    rooms.room_users.insert((room(1), bob()), pair(1, true));
     rooms.shared.insert(bob(), 1);
     rooms.shared_now.insert(bob(), 1);
     s.users.insert(bob(), Default::default());
@@ -316,20 +299,8 @@ fn a_stale_stored_user_that_starts_sharing_is_fetched() {
 fn a_sweep_sets_every_pair_and_ends() {
     let mut s = snapshot();
     let rooms = s.rooms.as_mut().unwrap();
-    rooms.rooms.insert(
-        room(1),
-        RoomRow {
-            local_joined: 0,
-            sweep: true,
-        },
-    );
-    rooms.room_users.insert(
-        (room(1), bob()),
-        RoomUser {
-            joined: 1,
-            shares: true,
-        },
-    );
+    rooms.rooms.insert(room(1), room_row(0, true));
+    rooms.room_users.insert((room(1), bob()), pair(1, true));
     rooms.shared.insert(bob(), 1);
     s.users.insert(bob(), Default::default());
     let plan = plan_sweep(s, &room(1), &[bob()], true, 0);
