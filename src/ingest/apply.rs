@@ -132,12 +132,8 @@ impl Ingest {
                 }
                 let error = format!("the database refused it: {last_error}");
                 let message = &items[index].message;
-                if !self
-                    .store_dead_letter(message, DeadReason::Unprocessable, error)
-                    .await
-                {
-                    return None;
-                }
+                self.store_dead_letter(message, DeadReason::Unprocessable, error)
+                    .await?;
             }
         }
         Some(done)

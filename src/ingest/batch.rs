@@ -118,6 +118,7 @@ impl Ingest {
         // the link applied and the conflict again (a no-op else).
         self.dead_letter_conflicts(items, accepted, &written.applied, &written.covers)
             .await
+            .is_some()
     }
 
     /// Counts the outcomes and untracked users, and wakes the sweeper if a

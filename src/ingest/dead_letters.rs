@@ -33,7 +33,7 @@ impl Ingest {
 
     /// Dead-letters the link changes the planner refused as conflicts
     /// (SPEC §5.6.2). They are only known after planning, so they go after
-    /// the commit; false if one could not be stored. `covers` names, per
+    /// the commit; None if one could not be stored. `covers` names, per
     /// outcome of `applied` in order, its message's place in `accepted`.
     pub(super) async fn dead_letter_conflicts(
         &self,
@@ -41,7 +41,7 @@ impl Ingest {
         accepted: &[(usize, &InputMessage)],
         applied: &[Applied],
         covers: &[usize],
-    ) -> bool {
+    ) -> Option<()> {
         // A plan has one outcome per message it was given.
         debug_assert_eq!(
             applied.iter().map(|a| a.plan.outcomes.len()).sum::<usize>(),
@@ -63,29 +63,23 @@ impl Ingest {
             };
             let error = format!("member key {key} is already linked to another user in this room");
             let message = &items[index].message;
-            if !self
-                .store_dead_letter(message, DeadReason::LinkConflict, error)
-                .await
-            {
-                return false;
-            }
+            self.store_dead_letter(message, DeadReason::LinkConflict, error)
+                .await?;
         }
-        true
+        Some(())
     }
 
     /// Publishes `message`'s dead letter (`reason`, `error`) and waits until
-    /// it is stored; false if it was not.
+    /// it is stored; None if it was not.
     pub(super) async fn store_dead_letter(
         &self,
         message: &Message,
         reason: DeadReason,
         error: String,
-    ) -> bool {
+    ) -> Option<()> {
         let rejection = Rejection::new(reason, error);
-        match self.publish_dead_letter(message, &rejection).await {
-            Ok(ack) => ack.await.is_ok(),
-            Err(_) => false,
-        }
+        let ack = self.publish_dead_letter(message, &rejection).await.ok()?;
+        ack.await.ok().map(drop)
     }
 
     /// Publishes `message`'s dead letter (its id names the input message, so

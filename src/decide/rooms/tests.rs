@@ -43,6 +43,17 @@ fn joined_at(at: i64) -> Member {
     }
 }
 
+/// Room 1 stored as `row`, Bob joined there and counted as sharing it
+/// (his stored count 1).
+fn bob_counted_in_room_1(row: RoomRow) -> Snapshot {
+    let mut s = snapshot();
+    let rooms = s.rooms.as_mut().unwrap();
+    rooms.rooms.insert(room(1), row);
+    rooms.room_users.insert((room(1), bob()), pair(1, true));
+    rooms.shared.insert(bob(), 1);
+    s
+}
+
 fn room(n: u32) -> OwnedRoomId {
     OwnedRoomId::try_from(format!("!r{n}:our.example")).unwrap()
 }
@@ -201,15 +212,12 @@ fn a_change_before_the_sweep_sets_its_pair_without_counting_twice() {
     // Bob shares room 1. In room 2 he joined before it was ours; we join
     // (a sweep is due) and he leaves in the same batch: his pair in room
     // 2 was never counted, so his count stays 1 and he stays tracked.
-    let mut s = snapshot();
+    let mut s = bob_counted_in_room_1(room_row(1, false));
     let rooms = s.rooms.as_mut().unwrap();
-    rooms.rooms.insert(room(1), room_row(1, false));
-    rooms.room_users.insert((room(1), bob()), pair(1, true));
     rooms.room_users.insert((room(2), bob()), pair(1, false));
     rooms
         .members
         .insert((room(2), Identity::User(bob())), joined_at(1));
-    rooms.shared.insert(bob(), 1);
     s.users.insert(bob(), Default::default());
     let plan = plan_batch(
         s,
@@ -222,14 +230,11 @@ fn a_change_before_the_sweep_sets_its_pair_without_counting_twice() {
 
 /// Bob stored and counted in room 1, which is ours (ME joined).
 fn bob_shares_room_1() -> Snapshot {
-    let mut s = snapshot();
+    let mut s = bob_counted_in_room_1(room_row(1, false));
     let rooms = s.rooms.as_mut().unwrap();
-    rooms.rooms.insert(room(1), room_row(1, false));
     rooms
         .members
         .insert((room(1), Identity::parse(ME, true).unwrap()), joined_at(1));
-    rooms.room_users.insert((room(1), bob()), pair(1, true));
-    rooms.shared.insert(bob(), 1);
     rooms.shared_now.insert(bob(), 1);
     s.users.insert(bob(), Default::default());
     s
@@ -297,11 +302,7 @@ fn a_stale_stored_user_that_starts_sharing_is_fetched() {
 
 #[test]
 fn a_sweep_sets_every_pair_and_ends() {
-    let mut s = snapshot();
-    let rooms = s.rooms.as_mut().unwrap();
-    rooms.rooms.insert(room(1), room_row(0, true));
-    rooms.room_users.insert((room(1), bob()), pair(1, true));
-    rooms.shared.insert(bob(), 1);
+    let mut s = bob_counted_in_room_1(room_row(0, true));
     s.users.insert(bob(), Default::default());
     let plan = plan_sweep(s, &room(1), &[bob()], true, 0);
     assert!(plan.rooms.untrack.contains(&bob()));
