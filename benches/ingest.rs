@@ -621,9 +621,33 @@ fn other(i: usize) -> String {
     format!("@other{i}:busy{}.example", i % 50)
 }
 
-/// The other users, known up to stream id 0 and sharing one room with us
-/// (as after a fetch of members of another room).
+/// The other users, known up to stream id 0 and sharing one room with us,
+/// `!others:our.example`, which is ours (as after a fetch of members of
+/// another room). Sharing is decided when it is used: a stored count alone
+/// would not make them tracked, their updates would be dropped.
 async fn seed_others(db: &sea_orm::DatabaseConnection) {
+    const ROOM: &str = "!others:our.example";
+    entity::room::Entity::insert(entity::room::ActiveModel {
+        room_id: Set(ROOM.into()),
+        local_joined: Set(1),
+        sweep: Set(false),
+    })
+    .exec_without_returning(db)
+    .await
+    .expect("seed room");
+    let pairs: Vec<_> = (0..OTHERS)
+        .map(|i| entity::room_user::ActiveModel {
+            room_id: Set(ROOM.into()),
+            user_id: Set(other(i)),
+            remote: Set(true),
+            joined: Set(1),
+            shares: Set(true),
+        })
+        .collect();
+    entity::room_user::Entity::insert_many(pairs)
+        .exec_without_returning(db)
+        .await
+        .expect("seed pairs");
     let users: Vec<_> = (0..OTHERS)
         .map(|i| entity::remote_user::ActiveModel {
             user_id: Set(other(i)),
