@@ -5,7 +5,7 @@
 //!
 //! The rule that keeps this incremental and resumable: a (room, user) pair
 //! *shares* when the user is remote, joined in the room, and the room is
-//! ours. Each pair stores whether it is counted ([`RoomUser::shares`]); a
+//! ours. Each pair stores whether it is counted ([`RoomUser::shares`](super::RoomUser::shares)); a
 //! change sets the pairs it touches to what they should be, and only a flip
 //! moves the user's count. When the room itself becomes ours or stops being
 //! ours, every pair may be wrong: the room is marked for a sweep

@@ -1,5 +1,5 @@
 //! Why the federation client could not be set up: shared by the client
-//! ([`super::federation`]) and its DNS resolver ([`super::discovery`]).
+//! ([`super::federation`]) and its DNS resolver (`discovery`).
 
 /// Why the federation client could not be set up.
 #[derive(Debug, thiserror::Error)]
