@@ -63,6 +63,11 @@ pub fn user_id(text: &str) -> Result<OwnedUserId, AdminError> {
         .map_err(|_| AdminError::Argument(format!("{text:?} is not a user id")))
 }
 
+/// User ids given on the command line, each checked as [`user_id`] does.
+pub fn user_ids(texts: &[String]) -> Result<Vec<OwnedUserId>, AdminError> {
+    texts.iter().map(|text| user_id(text)).collect()
+}
+
 /// What is stored for `users` (the same shape as the query RPC's reply).
 pub async fn user(store: &Store, users: &[OwnedUserId]) -> Result<Value, AdminError> {
     let users: Vec<String> = users.iter().map(ToString::to_string).collect();

@@ -169,32 +169,33 @@ async fn admin(settings: &Settings, json: bool, command: AdminCommand) -> ExitCo
     } else {
         None
     };
-    let result = match (command, js.as_ref()) {
-        (AdminCommand::User { users }, _) => match ids(&users) {
-            Ok(users) => admin::user(&store, &users).await,
-            Err(e) => Err(e),
-        },
-        (AdminCommand::Stale { server }, _) => admin::stale(&store, server.as_deref()).await,
-        (AdminCommand::Resync { user }, Some(js)) => match admin::user_id(&user) {
-            Ok(user) => admin::resync(&store, js, settings.retry_min, &user).await,
-            Err(e) => Err(e),
-        },
-        (AdminCommand::Streams, Some(js)) => admin::streams(js).await,
-        (AdminCommand::ReplayOutbox, Some(js)) => admin::replay_outbox(&store, js).await,
-        (AdminCommand::UntrackUnshared { apply }, _) => {
-            admin::untrack_unshared(&store, apply).await
+    let result = async {
+        match (command, js.as_ref()) {
+            (AdminCommand::User { users }, _) => {
+                admin::user(&store, &admin::user_ids(&users)?).await
+            }
+            (AdminCommand::Stale { server }, _) => admin::stale(&store, server.as_deref()).await,
+            (AdminCommand::Resync { user }, Some(js)) => {
+                let user = admin::user_id(&user)?;
+                admin::resync(&store, js, settings.retry_min, &user).await
+            }
+            (AdminCommand::Streams, Some(js)) => admin::streams(js).await,
+            (AdminCommand::ReplayOutbox, Some(js)) => admin::replay_outbox(&store, js).await,
+            (AdminCommand::UntrackUnshared { apply }, _) => {
+                admin::untrack_unshared(&store, apply).await
+            }
+            (AdminCommand::Rooms { user }, _) => {
+                admin::rooms(&store, &admin::user_id(&user)?).await
+            }
+            (
+                AdminCommand::Resync { .. } | AdminCommand::Streams | AdminCommand::ReplayOutbox,
+                None,
+            ) => Err(admin::AdminError::Argument(
+                "NATS is needed for this command".into(),
+            )),
         }
-        (AdminCommand::Rooms { user }, _) => match admin::user_id(&user) {
-            Ok(user) => admin::rooms(&store, &user).await,
-            Err(e) => Err(e),
-        },
-        (
-            AdminCommand::Resync { .. } | AdminCommand::Streams | AdminCommand::ReplayOutbox,
-            None,
-        ) => Err(admin::AdminError::Argument(
-            "NATS is needed for this command".into(),
-        )),
-    };
+    }
+    .await;
     match result {
         Ok(value) if json => {
             println!("{value}");
@@ -206,14 +207,6 @@ async fn admin(settings: &Settings, json: bool, command: AdminCommand) -> ExitCo
         }
         Err(e) => fail(e.exit_code(), &e.to_string()),
     }
-}
-
-/// The user ids of an admin command, each checked.
-fn ids(users: &[String]) -> Result<Vec<ruma::OwnedUserId>, device_list_updater::admin::AdminError> {
-    users
-        .iter()
-        .map(|user| device_list_updater::admin::user_id(user))
-        .collect()
 }
 
 /// The store the admin commands read, without migrating: only `run` and
