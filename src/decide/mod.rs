@@ -6,6 +6,7 @@ pub mod device;
 pub mod fetched;
 pub mod known_ids;
 pub mod membership;
+pub mod partitions;
 pub mod plan;
 pub mod rooms;
 pub mod rules;

@@ -41,6 +41,18 @@ impl InputKind {
         }
     }
 
+    /// The kind's name as one subject token (the last token of its
+    /// default subject), used in the subjects of the input partitions.
+    pub fn token(self) -> &'static str {
+        match self {
+            InputKind::Update => "update",
+            InputKind::SigningKey => "signing_key",
+            InputKind::Resync => "resync",
+            InputKind::Membership => "membership",
+            InputKind::MemberKey => "member_key",
+        }
+    }
+
     /// Whether messages of this kind are about rooms (SPEC §5.5): acked and
     /// ignored while membership is off, and exempt from the own-user and
     /// `origin` rules (our own users' memberships are what make a room ours).
@@ -81,11 +93,11 @@ pub struct InputSubjects(Vec<(InputKind, String)>);
 
 impl InputSubjects {
     /// The subjects `subject_of` gives for each kind.
-    pub fn new<'a>(subject_of: impl Fn(InputKind) -> &'a str) -> InputSubjects {
+    pub fn new<S: Into<String>>(subject_of: impl Fn(InputKind) -> S) -> InputSubjects {
         InputSubjects(
             InputKind::ALL
                 .iter()
-                .map(|&kind| (kind, subject_of(kind).to_owned()))
+                .map(|&kind| (kind, subject_of(kind).into()))
                 .collect(),
         )
     }
@@ -130,5 +142,15 @@ mod tests {
             assert!(kind.default_subject().starts_with("devicelist.in."));
         }
         assert_eq!(subjects.kind_of("devicelist.in.other"), None);
+    }
+
+    #[test]
+    fn each_token_ends_its_default_subject() {
+        for &kind in InputKind::ALL {
+            assert_eq!(
+                kind.default_subject().rsplit('.').next(),
+                Some(kind.token())
+            );
+        }
     }
 }

@@ -10,6 +10,7 @@ pub(crate) mod fields;
 pub mod identity;
 pub mod kind;
 pub mod membership;
+pub mod partition;
 pub mod resync;
 pub mod signing_key;
 pub mod tracking;
