@@ -16,7 +16,7 @@ pub struct DeadLetter<'a> {
     pub reason: DeadReason,
     /// A human sentence.
     pub error: &'a str,
-    /// The subject it arrived on.
+    /// The subject it arrived on (a routed copy's: the input's).
     pub source_subject: &'a str,
     /// Its headers.
     pub headers: Option<&'a HeaderMap>,
@@ -32,6 +32,14 @@ pub async fn publish(js: &Context, dead: DeadLetter<'_>) -> Result<PublishAckFut
     let mut headers = HeaderMap::new();
     if let Some(original) = dead.headers {
         for (name, values) in original.iter() {
+            // JetStream's publish conditions (`Nats-Expected-*`, on every
+            // routed copy of an input message) would refuse the letter.
+            let name_text = AsRef::<str>::as_ref(name).to_ascii_lowercase();
+            if name_text.starts_with("nats-expected-")
+                || name_text == super::parts::SOURCE_SUBJECT.to_ascii_lowercase()
+            {
+                continue;
+            }
             for value in values {
                 headers.append(name.clone(), value.clone());
             }

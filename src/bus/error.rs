@@ -24,6 +24,10 @@ pub enum BusError {
         #[source]
         source: async_nats::Error,
     },
+    /// Messages could not be routed to their input partitions in time
+    /// (their input messages are given back, unacked).
+    #[error("{0}")]
+    NotRouted(String),
 }
 
 impl BusError {

@@ -26,18 +26,27 @@ pub async fn bucket(js: &Context, ttl: Duration, replicas: usize) -> Result<Stor
     if let Ok(store) = js.get_key_value(BUCKET).await {
         return Ok(store);
     }
-    js.create_key_value(kv::Config {
-        bucket: BUCKET.into(),
-        description: "device-list-updater: which replica consumes each input stream".into(),
-        history: 1,
-        max_age: ttl,
-        num_replicas: replicas,
-        ..Default::default()
-    })
-    .await
-    .map_err(BusError::jetstream(format!(
-        "cannot create KV bucket {BUCKET}"
-    )))
+    match js
+        .create_key_value(kv::Config {
+            bucket: BUCKET.into(),
+            description: "device-list-updater: which replica consumes each input stream".into(),
+            history: 1,
+            max_age: ttl,
+            num_replicas: replicas,
+            ..Default::default()
+        })
+        .await
+    {
+        Ok(store) => Ok(store),
+        // Another replica starting at the same moment created it first.
+        Err(e) => js
+            .get_key_value(BUCKET)
+            .await
+            .map_err(|_| BusError::JetStream {
+                what: format!("cannot create KV bucket {BUCKET}"),
+                source: Box::new(e),
+            }),
+    }
 }
 
 /// A held lease, renewed in the background until released, lost or

@@ -7,6 +7,7 @@ pub(crate) mod dead_letters;
 pub mod error;
 pub(crate) mod fetch_jobs;
 pub mod lease;
+pub mod parts;
 pub(crate) mod publisher;
 pub(crate) mod streams;
 
