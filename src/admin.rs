@@ -191,7 +191,78 @@ pub async fn streams(js: &jetstream::Context) -> Result<Value, AdminError> {
         }
         out.insert(name.to_owned(), entry);
     }
+    out.insert("leases".to_owned(), holders(js).await);
     Ok(Value::Object(out))
+}
+
+/// Who holds what (SPEC §4.5): the replica consuming each input stream,
+/// the holder of each input partition with the count the stream is routed
+/// with and what waits in its partitions stream, and the live replicas.
+async fn holders(js: &jetstream::Context) -> Value {
+    use futures::TryStreamExt as _;
+    let Ok(leases) = js.get_key_value(crate::bus::lease::BUCKET).await else {
+        return json!({"exists": false});
+    };
+    let keys: Vec<String> = match leases.keys().await {
+        Ok(keys) => keys.try_collect().await.unwrap_or_default(),
+        Err(_) => Vec::new(),
+    };
+    let mut inputs = serde_json::Map::new();
+    let mut partitions: BTreeMap<String, BTreeMap<u16, String>> = BTreeMap::new();
+    let mut replicas = Vec::new();
+    for key in keys {
+        let Ok(Some(holder)) = leases.get(&key).await else {
+            continue;
+        };
+        let holder = String::from_utf8_lossy(&holder).into_owned();
+        if let Some(stream) = key.strip_prefix("input.") {
+            inputs.insert(stream.to_owned(), json!(holder));
+        } else if let Some(rest) = key.strip_prefix("part.")
+            && let Some((stream, partition)) = rest.rsplit_once('.')
+            && let Ok(partition) = partition.parse::<u16>()
+        {
+            partitions
+                .entry(stream.to_owned())
+                .or_default()
+                .insert(partition, holder);
+        } else if key.starts_with(crate::bus::parts::REPLICA_KEY_PREFIX) {
+            replicas.push(holder);
+        }
+    }
+    let counts = crate::bus::parts::counts_bucket(js, 1, false)
+        .await
+        .ok()
+        .flatten();
+    let mut partitioned = serde_json::Map::new();
+    for stream in inputs
+        .keys()
+        .chain(partitions.keys())
+        .cloned()
+        .collect::<std::collections::BTreeSet<_>>()
+    {
+        let routed_with = match &counts {
+            Some(counts) => crate::bus::parts::routed_count(counts, &stream)
+                .await
+                .ok()
+                .flatten(),
+            None => None,
+        };
+        let held = partitions.remove(&stream).unwrap_or_default();
+        if routed_with.is_none() && held.is_empty() {
+            continue;
+        }
+        let waiting = crate::bus::parts::waiting(js, &stream).await.ok();
+        let held: Vec<Value> = held
+            .into_iter()
+            .map(|(partition, replica)| json!({"partition": partition, "replica": replica}))
+            .collect();
+        partitioned.insert(
+            stream,
+            json!({"routed_with": routed_with.unwrap_or(1), "waiting": waiting, "holders": held}),
+        );
+    }
+    replicas.sort();
+    json!({"input_streams": inputs, "input_partitions": partitioned, "replicas": replicas})
 }
 
 /// Renders a result for people: nested keys as indented lines, and times

@@ -48,6 +48,8 @@ struct Inner {
     membership_changes: IntCounterVec,
     /// Users untracked because they share no room with us any more.
     users_untracked: IntCounter,
+    /// Input partitions and routing.
+    partitions: PartitionMetrics,
     /// Scrape-time gauges.
     gauges: Gauges,
 }
@@ -98,6 +100,50 @@ impl Gauges {
             ),
         }
     }
+}
+
+/// The input partitions a replica holds and what it routed (SPEC §4.5).
+struct PartitionMetrics {
+    /// Input partitions this replica holds.
+    held: IntGauge,
+    /// Input partitions taken and given up, by event.
+    moves: IntCounterVec,
+    /// Input messages routed to their partitions.
+    routed: IntCounter,
+}
+
+impl PartitionMetrics {
+    fn new(r: &Registry) -> PartitionMetrics {
+        PartitionMetrics {
+            held: gauge(
+                r,
+                "dlu_input_partitions_held",
+                "Input partitions this replica ingests now (SPEC 4.5; 0 with DLU_INPUT_PARTITIONS=1).",
+            ),
+            moves: counter_vec(
+                r,
+                "dlu_input_partition_moves_total",
+                "Input partitions this replica took, handed over (drained) or lost (lease expired).",
+                &["event"],
+            ),
+            routed: counter(
+                r,
+                "dlu_input_routed_total",
+                "Input messages this replica routed to their partitions (SPEC 4.5).",
+            ),
+        }
+    }
+}
+
+/// What happened to an input partition this replica holds or held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PartitionMove {
+    /// Its lease was taken.
+    Taken,
+    /// Given up after draining what was in hand (the deal moved it, or a stop).
+    HandedOver,
+    /// Its lease could not be renewed in time: another replica may hold it.
+    Lost,
 }
 
 /// The shared state the scrape-time gauges show (None: not read this time,
@@ -227,6 +273,7 @@ impl Metrics {
                 "Waiting fetch jobs started early, by reason.",
                 &["reason"],
             ),
+            partitions: PartitionMetrics::new(&r),
             gauges: Gauges::new(&r),
             registry: r,
         };
@@ -251,6 +298,35 @@ impl Metrics {
     /// Counts untracked users.
     pub fn untracked(&self, users: usize) {
         self.inner.users_untracked.inc_by(users as u64);
+    }
+
+    /// Counts an input partition taken or given up, and keeps the number
+    /// held.
+    pub fn partition_moved(&self, event: PartitionMove) {
+        let label = match event {
+            PartitionMove::Taken => {
+                self.inner.partitions.held.inc();
+                "taken"
+            }
+            PartitionMove::HandedOver => {
+                self.inner.partitions.held.dec();
+                "handed_over"
+            }
+            PartitionMove::Lost => {
+                self.inner.partitions.held.dec();
+                "lost"
+            }
+        };
+        self.inner
+            .partitions
+            .moves
+            .with_label_values(&[label])
+            .inc();
+    }
+
+    /// Counts input messages routed to their partitions.
+    pub fn routed(&self, messages: usize) {
+        self.inner.partitions.routed.inc_by(messages as u64);
     }
 
     /// Counts a dead letter.

@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
 use crate::bus::publisher::{OutboxHandle, Publisher};
-use crate::bus::{self, BusError, fetch_jobs, lease, streams};
+use crate::bus::{self, BusError, fetch_jobs, lease, parts, streams};
 use crate::config::{Config, Settings};
 use crate::faults::Faults;
 use crate::fetch::error::ClientError;
@@ -24,7 +24,7 @@ use crate::fetch::retry::RetryPolicy;
 use crate::fetch::wake::Wakeups;
 use crate::fetch::writer::FetchWriter;
 use crate::http::{self, Health};
-use crate::ingest::Ingest;
+use crate::ingest::{Feed, Ingest, PartitionDealer, Presence};
 use crate::input::Tracking;
 use crate::metrics::Metrics;
 use crate::server_key::KeyError;
@@ -94,14 +94,27 @@ struct Connected {
     js: jetstream::Context,
     store: Store,
     instance_id: String,
-    /// One pull consumer per input stream, with the stream's name.
-    inputs: Vec<(String, jetstream::consumer::PullConsumer)>,
+    inputs: Inputs,
     fetch_consumer: jetstream::consumer::PullConsumer,
     federation: Arc<FederationClient>,
     leases: jetstream::kv::Store,
     listener: TcpListener,
     http_addr: SocketAddr,
     warnings: Vec<String>,
+}
+
+/// The input streams' consumers and what their ingest needs to know of
+/// partitions (SPEC §4.5).
+struct Inputs {
+    /// One pull consumer per input stream, with the stream's name.
+    consumers: Vec<(String, jetstream::consumer::PullConsumer)>,
+    /// `DLU_INPUT_PARTITIONS`.
+    partitions: u16,
+    /// The partition-count bucket, once any replica has used input
+    /// partitions.
+    counts: Option<jetstream::kv::Store>,
+    /// Settings of the input and partition consumers.
+    consumer_settings: streams::InputConsumerSettings,
 }
 
 /// Starts a worker: connects, then starts its tasks, in this order.
@@ -165,6 +178,12 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tracking,
         sweeps,
         backlog,
+        // Set per loop by `Tasks::ingest`.
+        feed: Feed::Partition {
+            stream: String::new(),
+            partition: 0,
+        },
+        replica: replica_id(),
     };
     tasks.ingest(ingest, inputs);
     // Last: it ends after every outbox handle (ingest, the fetch writer) has
@@ -303,12 +322,66 @@ impl Tasks {
         self.set.spawn(sweeper.run(self.shutdown.clone()));
     }
 
-    /// Ingest: one loop per input stream.
-    fn ingest(&mut self, ingest: Ingest, inputs: Vec<(String, jetstream::consumer::PullConsumer)>) {
-        for (stream, consumer) in inputs {
-            self.set
-                .spawn(ingest.clone().run(stream, consumer, self.shutdown.clone()));
+    /// Ingest: one loop per input stream (applying or routing it), and,
+    /// once input partitions are in use, this replica's presence and the
+    /// loops of the partitions dealt to it (SPEC §4.5).
+    fn ingest(&mut self, ingest: Ingest, inputs: Inputs) {
+        let Inputs {
+            consumers,
+            partitions,
+            counts,
+            consumer_settings: consumer,
+        } = inputs;
+        if let Some(counts) = &counts {
+            let presence = Presence {
+                leases: ingest.leases.clone(),
+                replica: ingest.replica.clone(),
+                ttl: ingest.lease_ttl,
+            };
+            self.set.spawn(presence.run(self.shutdown.clone()));
+            for (stream, _) in &consumers {
+                let dealer = PartitionDealer {
+                    template: ingest.clone(),
+                    stream: stream.clone(),
+                    counts: counts.clone(),
+                    consumer: consumer.clone(),
+                };
+                self.set.spawn(dealer.run(self.shutdown.clone()));
+            }
         }
+        for (stream, input) in consumers {
+            let ingest = Ingest {
+                feed: Feed::Input {
+                    stream,
+                    partitions,
+                    counts: counts.clone().map(Box::new),
+                },
+                ..ingest.clone()
+            };
+            self.set.spawn(ingest.run(input, self.shutdown.clone()));
+        }
+    }
+}
+
+/// This replica's id in leases and `admin streams`: the host name (a
+/// container's is its id) and a random part, unique per start.
+fn replica_id() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .unwrap_or_default();
+    // KV keys allow letters, digits, `-`, `_`, `=` and `/`.
+    let host: String = host
+        .trim()
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+        .take(40)
+        .collect();
+    let random = uuid::Uuid::new_v4().simple().to_string();
+    if host.is_empty() {
+        random[..12].to_owned()
+    } else {
+        format!("{host}-{}", &random[..8])
     }
 }
 
@@ -346,7 +419,14 @@ async fn connect(config: &Config, tracking: Tracking) -> Result<Connected, Start
         let consumer =
             streams::input_consumer(&js, stream, stream_subjects, &consumer_settings).await?;
         consumers.push((stream.clone(), consumer));
+        if settings.input_partitions > 1 {
+            parts::ensure_stream(&js, stream, settings.stream_replicas).await?;
+        }
     }
+    // Created by the first replica with partitions; opened if it exists, so
+    // a replica with one partition drains what others routed (SPEC §4.5).
+    let counts =
+        parts::counts_bucket(&js, settings.stream_replicas, settings.input_partitions > 1).await?;
     let fetch_consumer = fetch_jobs::consumer(&js, settings.ack_wait).await?;
     let federation = FederationClient::new(FederationSettings {
         origin: config.server_name.clone(),
@@ -372,7 +452,12 @@ async fn connect(config: &Config, tracking: Tracking) -> Result<Connected, Start
         js,
         store,
         instance_id,
-        inputs: consumers,
+        inputs: Inputs {
+            consumers,
+            partitions: settings.input_partitions,
+            counts,
+            consumer_settings,
+        },
         fetch_consumer,
         federation: Arc::new(federation),
         leases,

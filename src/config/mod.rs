@@ -182,6 +182,10 @@ pub struct Settings {
     /// Replicas of the streams and KV buckets the worker creates (1–5).
     #[serde(deserialize_with = "value::number")]
     pub stream_replicas: usize,
+    /// Input partitions (1–256): the input is split by user or room id
+    /// into this many, each ingested by one replica at a time (SPEC §4.5).
+    #[serde(deserialize_with = "value::number")]
+    pub input_partitions: u16,
     /// `text` or `json` log lines on stderr.
     pub log_format: LogFormat,
     /// Fault injection for the crash tests; compiled into test builds only.
@@ -223,6 +227,7 @@ impl Default for Settings {
             ack_wait: Duration::from_secs(60),
             fetch_concurrency: 1024,
             stream_replicas: 1,
+            input_partitions: 1,
             log_format: LogFormat::Text,
             #[cfg(feature = "testkit")]
             fault: None,
@@ -324,6 +329,9 @@ impl Settings {
         }
         if !(1..=5).contains(&self.stream_replicas) {
             return invalid("stream_replicas", "must be between 1 and 5");
+        }
+        if !(1..=256).contains(&self.input_partitions) {
+            return invalid("input_partitions", "must be between 1 and 256");
         }
         match (given(&self.nats_tls_cert), given(&self.nats_tls_key)) {
             (Some(_), None) => return invalid("nats_tls_key", "nats_tls_cert needs its key"),

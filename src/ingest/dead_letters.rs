@@ -91,16 +91,29 @@ impl Ingest {
     ) -> Result<PublishAckFuture, BusError> {
         tracing::info!(reason = %rejection.reason, error = %rejection.error, subject = %message.subject, "dead letter");
         self.metrics.dead_letter(rejection.reason.as_str());
-        let origin_id = message
-            .info()
-            .map(|i| format!("{}:{}", i.stream, i.stream_sequence))
-            .unwrap_or_else(|_| uuid::Uuid::new_v4().to_string());
+        // A routed copy names its input message: its id and subject.
+        let routed = |name: &str| {
+            message
+                .headers
+                .as_ref()
+                .filter(|_| self.feed.is_partition())
+                .and_then(|h| h.get(name))
+                .map(|v| v.as_str().to_owned())
+        };
+        let origin_id = routed(async_nats::header::NATS_MESSAGE_ID.as_ref())
+            .or_else(|| {
+                let info = message.info().ok()?;
+                Some(format!("{}:{}", info.stream, info.stream_sequence))
+            })
+            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let source_subject = routed(crate::bus::parts::SOURCE_SUBJECT)
+            .unwrap_or_else(|| message.subject.to_string());
         dead_letters::publish(
             &self.js,
             DeadLetter {
                 reason: rejection.reason,
                 error: &rejection.error,
-                source_subject: message.subject.as_str(),
+                source_subject: &source_subject,
                 headers: message.headers.as_ref(),
                 body: message.payload.clone(),
                 origin_id,

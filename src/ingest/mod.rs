@@ -4,7 +4,12 @@
 //! redelivery, and redelivered updates are no-ops (SPEC §5.1.4).
 //!
 //! One file per step:
-//! * this file: the loop, held while this replica holds the input lease;
+//! * this file: the loop, held while this replica holds the lease of what it
+//!   consumes (an input stream, or one partition of it: SPEC §4.5);
+//! * [`route`]: with input partitions, sending each input message to its
+//!   partition instead of applying it, and agreeing on the partition count;
+//! * [`partitions`]: the partitions this replica ingests, dealt out among
+//!   the live replicas;
 //! * [`pull`]: pull requests, and telling a lost pull from a complete one;
 //! * [`pipeline`]: gathering batches and keeping two in flight in order;
 //! * [`batch`]: one batch from its messages to its acks;
@@ -16,8 +21,10 @@ mod apply;
 mod batch;
 mod check;
 mod dead_letters;
+mod partitions;
 mod pipeline;
 mod pull;
+mod route;
 
 use std::time::Duration;
 
@@ -29,10 +36,49 @@ use crate::bus::lease::Lease;
 use crate::bus::publisher::OutboxHandle;
 use crate::faults::Faults;
 use crate::input::{InputSubjects, Tracking};
+use crate::metrics::PartitionMove;
 use crate::shutdown::Shutdown;
 use crate::store::Store;
+pub use partitions::{PartitionDealer, Presence};
 use pipeline::Pipeline;
-use pull::PullEnd;
+use pull::{PullEnd, Sink};
+
+/// What an ingest loop consumes (SPEC §4.5).
+#[derive(Clone)]
+pub enum Feed {
+    /// A homeserver input stream, applied here (`partitions` 1) or routed
+    /// to its partitions.
+    Input {
+        /// The stream.
+        stream: String,
+        /// `DLU_INPUT_PARTITIONS`.
+        partitions: u16,
+        /// The partition-count bucket, once any replica has used partitions.
+        counts: Option<Box<async_nats::jetstream::kv::Store>>,
+    },
+    /// One partition of an input stream.
+    Partition {
+        /// The input stream.
+        stream: String,
+        /// The partition.
+        partition: u16,
+    },
+}
+
+impl Feed {
+    /// Whether this is one partition of an input stream.
+    pub fn is_partition(&self) -> bool {
+        matches!(self, Feed::Partition { .. })
+    }
+
+    /// The lease key: one holder at a time.
+    fn lease_key(&self) -> String {
+        match self {
+            Feed::Input { stream, .. } => format!("input.{stream}"),
+            Feed::Partition { stream, partition } => format!("part.{stream}.{partition}"),
+        }
+    }
+}
 
 /// The ingest loop of one input stream.
 #[derive(Clone)]
@@ -71,49 +117,100 @@ pub struct Ingest {
     /// Told after each batch whether ingest is behind (see `behind`), so
     /// the fan-out gives way meanwhile.
     pub backlog: crate::fetch::give_way::IngestBacklog,
+    /// What this loop consumes.
+    pub feed: Feed,
+    /// This replica's id: the holder named in its leases.
+    pub replica: String,
 }
 
 impl Ingest {
-    /// Consumes `consumer` while this replica holds the stream's lease, until
-    /// `shutdown` turns true.
-    pub async fn run(self, stream_name: String, consumer: PullConsumer, shutdown: Shutdown) {
-        let key = format!("input.{stream_name}");
-        let holder = uuid::Uuid::new_v4().to_string();
-        while !shutdown.is_requested() {
-            let Some(lease) = Lease::try_acquire(&self.leases, &key, &holder, self.lease_ttl).await
+    /// Consumes `consumer` while this replica holds the feed's lease, until
+    /// `stop` turns true; then drains what is in hand and lets the lease go.
+    pub async fn run(self, consumer: PullConsumer, stop: Shutdown) {
+        let key = self.feed.lease_key();
+        let poll = match self.feed {
+            Feed::Input { .. } => self.lease_ttl / 4,
+            // A partition handed over is taken at once by its new holder.
+            Feed::Partition { .. } => (self.lease_ttl / 4).min(PARTITION_POLL),
+        };
+        while !stop.is_requested() {
+            let Some(lease) =
+                Lease::try_acquire(&self.leases, &key, &self.replica, self.lease_ttl).await
             else {
-                // Another replica consumes the input: this one's fan-out has
-                // no ingest to give way to.
+                // Another replica consumes it: as far as this loop knows,
+                // this replica's fan-out has no ingest to give way to.
                 self.backlog.note_idle();
                 tokio::select! {
-                    () = tokio::time::sleep(self.lease_ttl / 4) => {}
-                    () = shutdown.requested() => {}
+                    () = tokio::time::sleep(poll) => {}
+                    () = stop.requested() => {}
                 }
                 continue;
             };
-            tracing::info!(stream = %stream_name, "this replica now consumes the input stream");
+            self.taken(&key);
+            let mut router = match self.settle_count(&lease, &stop).await {
+                Some(router) => router,
+                None => {
+                    self.given_up(&key, lease).await;
+                    continue;
+                }
+            };
             // Whether ingest is behind, from the last batch or count seen
             // until the next: the fan-out gives way meanwhile.
             let mut behind = None;
-            self.wait_for_in_flight(&consumer, &shutdown, &mut behind)
-                .await;
+            self.wait_for_in_flight(&consumer, &stop, &mut behind).await;
             let mut pipeline = Pipeline::default();
-            while !shutdown.is_requested() && !lease.is_lost() {
+            while !stop.is_requested() && !lease.is_lost() {
+                let mut sink = match router.as_mut() {
+                    Some(router) => Sink::Route(router, &lease),
+                    None => Sink::Apply(&mut pipeline),
+                };
                 let end = self
-                    .pull_once(&consumer, &shutdown, &mut pipeline, &mut behind)
+                    .pull_once(&consumer, &stop, &mut sink, &mut behind)
                     .await;
                 if end == PullEnd::Lost {
                     // What the lost pull sent and we never read comes back
                     // only after the ack wait; newer messages must not
                     // overtake it (per-user order), as after a takeover.
                     pipeline.finish().await;
-                    self.wait_for_in_flight(&consumer, &shutdown, &mut behind)
-                        .await;
+                    self.wait_for_in_flight(&consumer, &stop, &mut behind).await;
                 }
             }
             drop(behind);
             pipeline.finish().await;
-            lease.release().await;
+            self.given_up(&key, lease).await;
         }
     }
+
+    /// Logs and counts a lease taken.
+    fn taken(&self, key: &str) {
+        match self.feed {
+            Feed::Input { .. } => {
+                tracing::info!(lease = %key, "this replica now consumes the input stream");
+            }
+            Feed::Partition { partition, .. } => {
+                tracing::info!(lease = %key, partition, "took an input partition");
+                self.metrics.partition_moved(PartitionMove::Taken);
+            }
+        }
+    }
+
+    /// Lets the lease go (everything in hand is drained), and logs and
+    /// counts the move.
+    async fn given_up(&self, key: &str, lease: Lease) {
+        let lost = lease.is_lost();
+        if let Feed::Partition { partition, .. } = self.feed {
+            if lost {
+                tracing::warn!(lease = %key, partition, "lost an input partition (lease not renewed in time)");
+                self.metrics.partition_moved(PartitionMove::Lost);
+            } else {
+                tracing::info!(lease = %key, partition, "handed an input partition over");
+                self.metrics.partition_moved(PartitionMove::HandedOver);
+            }
+        }
+        lease.release().await;
+    }
 }
+
+/// How often a replica tries to take a partition dealt to it that another
+/// still holds (it is being drained, or its holder died).
+const PARTITION_POLL: Duration = Duration::from_millis(250);

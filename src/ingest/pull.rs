@@ -9,12 +9,33 @@ use async_nats::jetstream::consumer::PullConsumer;
 
 use super::Ingest;
 use super::pipeline::{Pipeline, gather};
+use super::route::Router;
 use crate::bus::Pulled;
+use crate::bus::lease::Lease;
 use crate::fetch::give_way::Behind;
 use crate::shutdown::Shutdown;
 
 /// How long one pull waits for messages (also the longest a clean stop waits).
 const PULL_EXPIRY: Duration = Duration::from_secs(1);
+
+/// Where a pull's messages go.
+pub(super) enum Sink<'a> {
+    /// Applied here, two batches in flight.
+    Apply(&'a mut Pipeline),
+    /// Routed to their partitions while the lease holds.
+    Route(&'a mut Router, &'a Lease),
+}
+
+impl Sink<'_> {
+    /// The pipeline batches gather against (the router's is never busy:
+    /// a chunk is routed before the next is gathered).
+    fn pipeline(&mut self) -> &mut Pipeline {
+        match self {
+            Sink::Apply(pipeline) => pipeline,
+            Sink::Route(router, _) => &mut router.idle,
+        }
+    }
+}
 
 /// How a pull request ended.
 #[derive(Debug, PartialEq, Eq)]
@@ -55,15 +76,18 @@ impl Ingest {
         }
     }
 
-    /// One pull request: hands what it delivers to `pipeline`, in chunks as
-    /// it arrives, until it is complete or expires, and says how it ended. The last chunk may still
-    /// be in flight when this returns, so the next pull overlaps it; the
-    /// caller finishes the pipeline before it lets go of the stream.
+    /// One pull request: hands what it delivers to `sink`, in chunks as
+    /// it arrives, until it is complete or expires, and says how it ended.
+    /// Applied, the last chunk may still be in flight when this returns, so
+    /// the next pull overlaps it; the caller finishes the pipeline before it
+    /// lets go of the stream. Routed, a chunk that could not be routed is
+    /// given back and the pull counts as lost (what it still held must not
+    /// overtake the chunk).
     pub(super) async fn pull_once(
         &self,
         consumer: &PullConsumer,
         shutdown: &Shutdown,
-        pipeline: &mut Pipeline,
+        sink: &mut Sink<'_>,
         behind: &mut Option<Behind>,
     ) -> PullEnd {
         let connects = self.connects();
@@ -99,7 +123,7 @@ impl Ingest {
                 }
                 Pulled::Lost => return PullEnd::Lost,
             };
-            let chunk = gather(first, &mut pull, self.batch_size, pipeline).await;
+            let chunk = gather(first, &mut pull, self.batch_size, sink.pipeline()).await;
             if self.connects() != connects {
                 // The client reconnected during this pull while the server
                 // still held it (its expiry had not come): what it delivers
@@ -115,7 +139,14 @@ impl Ingest {
             }
             delivered = true;
             *behind = self.backlog.note_batch(self.behind(&chunk));
-            pipeline.push(self, chunk, shutdown).await;
+            match sink {
+                Sink::Apply(pipeline) => pipeline.push(self, chunk, shutdown).await,
+                Sink::Route(router, lease) => {
+                    if !self.route(router, chunk, lease).await {
+                        return PullEnd::Lost;
+                    }
+                }
+            }
         }
     }
 
