@@ -13,6 +13,8 @@ use common::rooms::{
 };
 use common::{Backend, publish, read_stream, wait_stream};
 use device_list_updater::config::Switch;
+use device_list_updater::input::partition::partition_of_key;
+use device_list_updater::testkit::remote::{Reply, device_list};
 use serde_json::{Value, json};
 
 const ME: &str = "@me:our.example";
@@ -404,3 +406,153 @@ async fn switching_membership_on(backend: Backend) {
     );
 }
 both_backends!(switch_on, switching_membership_on);
+
+/// Input partitions in the membership tests.
+const PARTITIONS: u16 = 8;
+
+/// A room whose partition is not `user`'s (SPEC §4.5: membership goes by
+/// room, updates by user).
+fn room_apart_from(user: &str) -> String {
+    (0..)
+        .map(|n| format!("!r{n}:our.example"))
+        .find(|room| partition_of_key(room, PARTITIONS) != partition_of_key(user, PARTITIONS))
+        .unwrap_or_default()
+}
+
+/// Messages the ingest of `partition` has been delivered.
+async fn delivered(env: &Env, partition: u16) -> u64 {
+    let stream = env
+        .js
+        .get_stream("DEVICE_LIST_INPUT_PARTS")
+        .await
+        .expect("the partitions stream");
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = stream
+        .get_consumer(&format!("device-list-updater-part-{partition}"))
+        .await
+        .expect("the partition's consumer");
+    consumer
+        .info()
+        .await
+        .expect("info")
+        .delivered
+        .consumer_sequence
+}
+
+/// Bob's end state: his devices, whether he is stale, tracked, and how
+/// many rooms he shares with us.
+async fn bob_now(env: &Env) -> (Vec<(String, bool)>, bool, Value, Value) {
+    let view = query(env, BOB).await;
+    (
+        env.devices(BOB).await,
+        env.is_stale(BOB).await,
+        view["tracked"].clone(),
+        view["shared_rooms"].clone(),
+    )
+}
+
+/// Waits until Bob's devices are `devices` (a fetch writes after its
+/// request has been counted).
+async fn wait_devices(env: &Env, devices: &[&str]) {
+    let want: Vec<(String, bool)> = devices.iter().map(|d| ((*d).to_owned(), false)).collect();
+    common::eventually(Duration::from_secs(20), "Bob's devices", || async {
+        (env.devices(BOB).await == want).then_some(())
+    })
+    .await;
+}
+
+/// SPEC §4.5 with §5.5: with input partitions, Bob's join (the room's
+/// partition) and his update (his own) may apply in either order. Applied
+/// one way and then the other (each waited for before the next is sent),
+/// Bob ends tracked with both devices: the update first is dropped (Bob is
+/// not tracked yet) and the join's fetch brings the device; the join first
+/// fetches, and the update then applies on top.
+async fn join_and_update_in_either_order(backend: Backend) {
+    let room = room_apart_from(BOB);
+    let mut ends = Vec::new();
+    for join_first in [true, false] {
+        let env = env_partitioned(backend).await;
+        member(&env, &room, ME, "join", 1).await;
+        env.settled().await;
+        let laptop = update(BOB, "LAPTOP", 20, &[10], "Laptop");
+        if join_first {
+            lists(&env, BOB, 1);
+            member(&env, &room, BOB, "join", 2).await;
+            env.wait_fresh(BOB, 1).await;
+            wait_devices(&env, &["PHONE"]).await;
+            env.update(laptop).await;
+        } else {
+            // What Bob's server answers once the update was made.
+            let list = device_list(BOB, 20, &[("LAPTOP", "Laptop"), ("PHONE", "Phone")]);
+            env.fleet.script(BOB, vec![Reply::Json(list)]);
+            env.update(laptop).await;
+            env.settled().await;
+            assert!(env.devices(BOB).await.is_empty(), "Bob is not tracked yet");
+            member(&env, &room, BOB, "join", 2).await;
+            env.wait_fresh(BOB, 1).await;
+        }
+        env.settled().await;
+        wait_devices(&env, &["LAPTOP", "PHONE"]).await;
+        assert_in_two_partitions(&env, &room).await;
+        ends.push(bob_now(&env).await);
+    }
+    assert_eq!(ends[0], ends[1], "the same end, whichever applied first");
+    assert_eq!((ends[0].1, &ends[0].2), (false, &json!(true)), "{ends:?}");
+}
+both_backends!(partitions_join_and_update, join_and_update_in_either_order);
+
+/// SPEC §4.5 with §5.5.4: Bob's last leave and his update, in either
+/// order: he ends untracked with nothing stored.
+async fn leave_and_update_in_either_order(backend: Backend) {
+    let room = room_apart_from(BOB);
+    let mut ends = Vec::new();
+    for leave_first in [true, false] {
+        let env = env_partitioned(backend).await;
+        lists(&env, BOB, 1);
+        member(&env, &room, ME, "join", 1).await;
+        member(&env, &room, BOB, "join", 2).await;
+        env.wait_fresh(BOB, 1).await;
+        wait_devices(&env, &["PHONE"]).await;
+        let laptop = update(BOB, "LAPTOP", 20, &[10], "Laptop");
+        if leave_first {
+            member(&env, &room, BOB, "leave", 3).await;
+            env.settled().await;
+            wait_rows_gone(&env, BOB).await;
+            env.update(laptop).await;
+        } else {
+            env.update(laptop).await;
+            env.settled().await;
+            wait_devices(&env, &["LAPTOP", "PHONE"]).await;
+            member(&env, &room, BOB, "leave", 3).await;
+        }
+        env.settled().await;
+        wait_rows_gone(&env, BOB).await;
+        assert_in_two_partitions(&env, &room).await;
+        ends.push(bob_now(&env).await);
+    }
+    assert_eq!(ends[0], ends[1], "the same end, whichever applied first");
+    assert_eq!(ends[0].2, json!(false), "{ends:?}");
+}
+both_backends!(
+    partitions_leave_and_update,
+    leave_and_update_in_either_order
+);
+
+/// A membership worker with input partitions.
+async fn env_partitioned(backend: Backend) -> Env {
+    Env::start(backend, SERVERS, Duration::ZERO, |config| {
+        config.settings.membership = Switch::On;
+        config.settings.input_partitions = PARTITIONS;
+    })
+    .await
+}
+
+/// The room's messages and Bob's update went through different partitions.
+async fn assert_in_two_partitions(env: &Env, room: &str) {
+    let (room_part, bob_part) = (
+        partition_of_key(room, PARTITIONS),
+        partition_of_key(BOB, PARTITIONS),
+    );
+    assert_ne!(room_part, bob_part);
+    assert!(delivered(env, room_part).await >= 2, "the room's partition");
+    assert!(delivered(env, bob_part).await >= 1, "Bob's partition");
+}

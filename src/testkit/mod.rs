@@ -207,7 +207,8 @@ pub async fn drop_postgres_database(admin_url: &str, name: &str) {
 }
 
 /// Waits (at most 20 s) until the input consumer has nothing pending or
-/// unacked.
+/// unacked and, with input partitions, the partitions stream (a work queue:
+/// a message leaves it when its partition's ingest acks it) is empty.
 pub async fn wait_input_drained(js: &jetstream::Context) {
     wait_input_drained_within(js, Duration::from_secs(20)).await;
 }
@@ -216,7 +217,9 @@ pub async fn wait_input_drained(js: &jetstream::Context) {
 pub async fn wait_input_drained_within(js: &jetstream::Context, timeout: Duration) {
     wait_for(timeout, "input consumer drained", || async {
         let info = input_consumer_info(js).await?;
-        (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
+        // Routed before the input is acked: checked after the input.
+        let routed = stream_len(js, "DEVICE_LIST_INPUT_PARTS").await;
+        (info.num_pending == 0 && info.num_ack_pending == 0 && routed == 0).then_some(())
     })
     .await;
 }
