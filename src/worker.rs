@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
 use crate::bus::publisher::{OutboxHandle, Publisher};
-use crate::bus::{self, BusError, fetch_jobs, lease, parts, streams};
+use crate::bus::{self, BusError, streams};
 use crate::config::{Config, Settings};
 use crate::faults::Faults;
 use crate::fetch::error::ClientError;
@@ -400,44 +400,20 @@ async fn connect(config: &Config, tracking: Tracking) -> Result<Connected, Start
         .with_tracking(tracking);
     let instance_id = store.instance_id().await.map_err(StartError::Database)?;
     let js = jetstream::new(client.clone());
-    let streams::Ensured {
-        inputs,
-        mut warnings,
-    } = streams::ensure_all(
-        &js,
-        &settings.input_subjects().all(),
-        settings.stream_replicas,
-    )
-    .await?;
-    let consumer_settings = streams::InputConsumerSettings {
-        max_deliver: settings.max_deliver,
-        max_ack_pending: (settings.batch_size * 4).max(1000) as i64,
-        ack_wait: settings.ack_wait,
-    };
-    let mut consumers = Vec::new();
-    for (stream, stream_subjects) in &inputs {
-        let consumer =
-            streams::input_consumer(&js, stream, stream_subjects, &consumer_settings).await?;
-        consumers.push((stream.clone(), consumer));
-        if settings.input_partitions > 1 {
-            parts::ensure_stream(&js, stream, settings.stream_replicas).await?;
-        }
-    }
-    // Created by the first replica with partitions; opened if it exists, so
-    // a replica with one partition drains what others routed (SPEC §4.5).
-    let counts =
-        parts::counts_bucket(&js, settings.stream_replicas, settings.input_partitions > 1).await?;
-    let fetch_consumer = fetch_jobs::consumer(&js, settings.ack_wait).await?;
+    let bus::setup::SetUp {
+        inputs: consumers,
+        consumer_settings,
+        counts,
+        fetch_consumer,
+        leases,
+        warnings,
+    } = bus::setup::set_up_within(&js, settings, settings.startup_timeout).await?;
     let federation = FederationClient::new(FederationSettings {
         origin: config.server_name.clone(),
         key: config.server_key.key_pair()?,
         overrides: settings.federation_overrides.clone(),
         timeout: settings.federation_timeout,
     })?;
-    let leases = lease::bucket(&js, settings.lease_ttl, settings.stream_replicas).await?;
-    // A KV bucket is a stream named after it.
-    let lease_stream = format!("KV_{}", lease::BUCKET);
-    warnings.extend(streams::replica_warning(&js, &lease_stream, settings.stream_replicas).await);
     for warning in &warnings {
         tracing::warn!("{warning}");
     }

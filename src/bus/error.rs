@@ -43,3 +43,63 @@ impl BusError {
         }
     }
 }
+
+impl BusError {
+    /// Whether waiting may mend it: JetStream did not answer in time or
+    /// was not available yet (a cluster still electing its leaders). Told
+    /// by the async-nats error's kind, never by its text.
+    pub fn is_transient(&self) -> bool {
+        use async_nats::jetstream::context::{
+            CreateKeyValueError, CreateKeyValueErrorKind, CreateStreamError, CreateStreamErrorKind,
+            GetStreamError, GetStreamErrorKind,
+        };
+        use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
+        let BusError::JetStream { source, .. } = self else {
+            return false;
+        };
+        if let Some(e) = source.downcast_ref::<CreateStreamError>() {
+            return matches!(
+                e.kind(),
+                CreateStreamErrorKind::TimedOut
+                    | CreateStreamErrorKind::JetStreamUnavailable
+                    | CreateStreamErrorKind::Response
+            );
+        }
+        if let Some(e) = source.downcast_ref::<ConsumerError>() {
+            return matches!(
+                e.kind(),
+                ConsumerErrorKind::TimedOut | ConsumerErrorKind::Request
+            );
+        }
+        if let Some(e) = source.downcast_ref::<CreateKeyValueError>() {
+            return matches!(e.kind(), CreateKeyValueErrorKind::TimedOut);
+        }
+        if let Some(e) = source.downcast_ref::<GetStreamError>() {
+            return matches!(e.kind(), GetStreamErrorKind::Request);
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use async_nats::jetstream::context::{CreateStreamError, CreateStreamErrorKind};
+
+    use super::BusError;
+
+    fn creating(kind: CreateStreamErrorKind) -> BusError {
+        BusError::jetstream("cannot create stream S")(CreateStreamError::new(kind))
+    }
+
+    #[test]
+    fn a_timeout_or_an_unready_jetstream_is_worth_waiting_for() {
+        assert!(creating(CreateStreamErrorKind::TimedOut).is_transient());
+        assert!(creating(CreateStreamErrorKind::JetStreamUnavailable).is_transient());
+    }
+
+    #[test]
+    fn a_refusal_is_not() {
+        assert!(!creating(CreateStreamErrorKind::InvalidStreamName).is_transient());
+        assert!(!BusError::NotRouted("x".into()).is_transient());
+    }
+}

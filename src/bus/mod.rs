@@ -9,6 +9,7 @@ pub(crate) mod fetch_jobs;
 pub mod lease;
 pub mod parts;
 pub(crate) mod publisher;
+pub mod setup;
 pub(crate) mod streams;
 
 use std::time::Duration;

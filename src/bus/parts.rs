@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::Context;
-use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::kv::{self, Store};
 use async_nats::jetstream::stream::{self, RetentionPolicy};
@@ -25,7 +25,7 @@ use bytes::Bytes;
 use futures::TryStreamExt as _;
 
 use super::BusError;
-use super::streams::InputConsumerSettings;
+use super::streams::{self, InputConsumerSettings};
 use crate::input::{InputKind, InputSubjects};
 
 /// Header carrying the subject an input message arrived on.
@@ -85,28 +85,15 @@ pub async fn consumer(
     partition: u16,
     settings: &InputConsumerSettings,
 ) -> Result<PullConsumer, BusError> {
-    let name = stream_name(input);
-    let stream = js
-        .get_stream(&name)
-        .await
-        .map_err(BusError::jetstream(format!("cannot open stream {name}")))?;
-    let durable = format!("device-list-updater-part-{partition}");
-    let config = pull::Config {
-        durable_name: Some(durable.clone()),
-        description: Some(format!("device-list-updater: input partition {partition}")),
-        filter_subject: format!("devicelist.part.{input}.{partition}.>"),
-        ack_policy: AckPolicy::Explicit,
-        ack_wait: settings.ack_wait,
-        max_deliver: settings.max_deliver,
-        max_ack_pending: settings.max_ack_pending,
-        ..Default::default()
-    };
-    stream
-        .get_or_create_consumer(&durable, config)
-        .await
-        .map_err(BusError::jetstream(format!(
-            "cannot create consumer {durable} on {name}"
-        )))
+    streams::durable_consumer(
+        js,
+        &stream_name(input),
+        &format!("device-list-updater-part-{partition}"),
+        format!("device-list-updater: input partition {partition}"),
+        vec![format!("devicelist.part.{input}.{partition}.>")],
+        settings,
+    )
+    .await
 }
 
 /// Messages waiting in `input`'s partitions stream (0 if it has none).

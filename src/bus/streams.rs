@@ -4,9 +4,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{AckPolicy, pull};
+use async_nats::jetstream::Context;
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::stream::{self, DiscardPolicy, RetentionPolicy};
-use async_nats::jetstream::{self, Context};
 
 use super::BusError;
 
@@ -205,7 +205,29 @@ pub async fn input_consumer(
     stream_name: &str,
     subjects: &[String],
     settings: &InputConsumerSettings,
-) -> Result<jetstream::consumer::Consumer<pull::Config>, BusError> {
+) -> Result<PullConsumer, BusError> {
+    durable_consumer(
+        js,
+        stream_name,
+        INPUT_CONSUMER,
+        "device-list-updater: device-list and signing-key updates".into(),
+        subjects.to_vec(),
+        settings,
+    )
+    .await
+}
+
+/// Creates (or opens) the durable, explicitly acked pull consumer `durable`
+/// on `stream_name`, taking the messages of `subjects`: the shape of every
+/// consumer that ingests input, whole or one partition of it.
+pub(super) async fn durable_consumer(
+    js: &Context,
+    stream_name: &str,
+    durable: &str,
+    description: String,
+    subjects: Vec<String>,
+    settings: &InputConsumerSettings,
+) -> Result<PullConsumer, BusError> {
     let stream = js
         .get_stream(stream_name)
         .await
@@ -213,9 +235,9 @@ pub async fn input_consumer(
             "cannot open stream {stream_name}"
         )))?;
     let config = pull::Config {
-        durable_name: Some(INPUT_CONSUMER.into()),
-        description: Some("device-list-updater: device-list and signing-key updates".into()),
-        filter_subjects: subjects.to_vec(),
+        durable_name: Some(durable.into()),
+        description: Some(description),
+        filter_subjects: subjects,
         ack_policy: AckPolicy::Explicit,
         ack_wait: settings.ack_wait,
         max_deliver: settings.max_deliver,
@@ -223,10 +245,10 @@ pub async fn input_consumer(
         ..Default::default()
     };
     stream
-        .get_or_create_consumer(INPUT_CONSUMER, config)
+        .get_or_create_consumer(durable, config)
         .await
         .map_err(BusError::jetstream(format!(
-            "cannot create consumer {INPUT_CONSUMER} on {stream_name}"
+            "cannot create consumer {durable} on {stream_name}"
         )))
 }
 
