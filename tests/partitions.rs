@@ -16,15 +16,14 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use common::burst::read_key_changes;
+use common::burst::{publish_round_of, read_key_changes, seed_users};
 use common::{Backend, TestDb};
 use device_list_updater::server_key::ServerKey;
 use device_list_updater::testkit::cluster::NatsCluster;
 use device_list_updater::testkit::{stream_len, wait_for};
 use device_list_updater::worker;
 use futures::TryStreamExt as _;
-use sea_orm::{ActiveValue::Set, ColumnTrait as _, EntityTrait, PaginatorTrait, QueryFilter as _};
-use serde_json::json;
+use sea_orm::{ColumnTrait as _, EntityTrait, PaginatorTrait, QueryFilter as _};
 use tokio::process::Child;
 
 const PARTITIONS: usize = 8;
@@ -153,45 +152,6 @@ async fn wait_dealt(
     }
 }
 
-async fn seed(db_url: &str) {
-    let store = worker::open_store(db_url, Duration::from_secs(10))
-        .await
-        .expect("store");
-    for chunk in (0..USERS).collect::<Vec<_>>().chunks(500) {
-        let rows: Vec<_> = chunk
-            .iter()
-            .map(|&u| entity::remote_user::ActiveModel {
-                user_id: Set(user(u)),
-                server_name: Set(format!("remote{}.example", u % 20)),
-                known_stream_ids: Set("[0]".into()),
-                max_stream_id: Set(0),
-                fetched_stream_id: Set(0),
-            })
-            .collect();
-        entity::remote_user::Entity::insert_many(rows)
-            .exec_without_returning(store.connection())
-            .await
-            .expect("seed");
-    }
-}
-
-async fn publish_round(js: &jetstream::Context, round: usize) {
-    let mut acks = Vec::with_capacity(USERS);
-    for u in 0..USERS {
-        let body = json!({"user_id": user(u), "device_id": "D", "stream_id": round,
-            "prev_id": [round - 1], "device_display_name": format!("round {round}"),
-            "keys": {"user_id": user(u), "device_id": "D", "round": round}});
-        acks.push(
-            js.publish("devicelist.in.update", body.to_string().into())
-                .await
-                .expect("publish"),
-        );
-    }
-    for ack in acks {
-        ack.await.expect("publish ack");
-    }
-}
-
 async fn users_at(conn: &sea_orm::DatabaseConnection, round: usize) -> u64 {
     entity::remote_device::Entity::find()
         .filter(entity::remote_device::Column::StreamId.gte(round as i64))
@@ -205,7 +165,8 @@ async fn burst_with(fault: Fault) {
     let db = TestDb::new(Backend::Postgres).await;
     let js = cluster.js().await;
     cluster.create_input_stream(&js).await;
-    seed(&db.url).await;
+    let users: Vec<String> = (0..USERS).map(user).collect();
+    seed_users(&db.url, users.iter().cloned()).await;
     let key_dir = tempfile::tempdir().expect("dir");
     ServerKey::generate()
         .expect("key")
@@ -222,17 +183,11 @@ async fn burst_with(fault: Fault) {
         replicas: Vec::new(),
         started: 0,
     };
-    // One at a time: three replicas creating the R3 streams of a fresh
-    // cluster at once can time out (a start-up failure, exit 2).
-    for n in 0..3 {
+    // All at once, as a deployment starts them: three replicas creating
+    // the R3 streams of a fresh cluster together (which once took longer
+    // than a JetStream request's timeout, ending a start with exit 2).
+    for _ in 0..3 {
         deployment.spawn();
-        wait_for(Duration::from_secs(30), "the replica up", || async {
-            let leases = js.get_key_value("device_list_updater_leases").await.ok()?;
-            let keys: Vec<String> = leases.keys().await.ok()?.try_collect().await.ok()?;
-            let prefix = format!("replica.replica-{n}-");
-            keys.iter().any(|k| k.starts_with(&prefix)).then_some(())
-        })
-        .await;
     }
     let names = |d: &Deployment| {
         d.replicas
@@ -244,7 +199,7 @@ async fn burst_with(fault: Fault) {
 
     let half = ROUNDS / 2;
     for round in 1..=half {
-        publish_round(&js, round).await;
+        publish_round_of(&js, &users, round).await;
     }
     // The fault hits while the replicas are busy with the first half.
     wait_for(
@@ -309,7 +264,7 @@ async fn burst_with(fault: Fault) {
         }
     }
     for round in half + 1..=ROUNDS {
-        publish_round(&js, round).await;
+        publish_round_of(&js, &users, round).await;
     }
     wait_for(
         Duration::from_secs(180),

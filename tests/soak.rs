@@ -1,6 +1,8 @@
 //! The soak run (`scripts/soak [seconds]`; ignored by the normal test run):
-//! two worker replicas (processes) on a three-node NATS cluster
-//! (`DLU_STREAM_REPLICAS=3`) and a private PostgreSQL, under steady input
+//! three worker replicas (processes) sharing eight input partitions (SPEC
+//! §4.5; `DLU_SOAK_PARTITIONS` sets another count, 1 for one ingesting
+//! replica) on a three-node NATS cluster (`DLU_STREAM_REPLICAS=3`) and a
+//! private PostgreSQL, under steady input
 //! (chained updates of known users) and steady fetches (new users of mocked
 //! servers marked stale by resync requests), while faults come one at a time
 //! at random: SIGKILL of a replica, SIGKILL of a NATS node, PostgreSQL
@@ -41,6 +43,8 @@ const UPDATES_PER_SECOND: u64 = 200;
 const FETCHES_PER_SECOND: u64 = 5;
 /// The mocked servers.
 const SERVERS: usize = 4;
+/// Worker replicas.
+const REPLICAS: usize = 3;
 /// How long the end may take to settle everything.
 const SETTLE: Duration = Duration::from_secs(180);
 
@@ -141,6 +145,7 @@ struct Replicas {
     database_url: String,
     key: std::path::PathBuf,
     overrides: String,
+    partitions: u16,
 }
 
 impl Replicas {
@@ -152,6 +157,7 @@ impl Replicas {
             .env("DLU_NATS_URL", &self.nats_urls)
             .env("DLU_DATABASE_URL", &self.database_url)
             .env("DLU_STREAM_REPLICAS", "3")
+            .env("DLU_INPUT_PARTITIONS", self.partitions.to_string())
             .env("DLU_FEDERATION_OVERRIDES", &self.overrides)
             .env("DLU_HTTP_ADDR", "127.0.0.1:0")
             .env("DLU_LEASE_TTL", "2s")
@@ -193,7 +199,7 @@ async fn one_fault(
     let pause = Duration::from_millis(500 + dice.below(2500));
     match dice.below(3) {
         0 => {
-            let i = dice.below(2) as usize;
+            let i = dice.below(replicas.children.len() as u64) as usize;
             replicas.kill(i).await;
             tokio::time::sleep(pause).await;
             replicas.start(i);
@@ -208,6 +214,11 @@ async fn one_fault(
             // every stream's group first, or the cluster loses its quorum.
             for stream in ["DEVICE_LIST_INPUT", "KEY_CHANGE", "DEVICE_LIST_FETCH"] {
                 cluster.wait_all_current(js, stream).await;
+            }
+            if replicas.partitions > 1 {
+                cluster
+                    .wait_all_current(js, "DEVICE_LIST_INPUT_PARTS")
+                    .await;
             }
             "nats node"
         }
@@ -257,7 +268,11 @@ async fn soak() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| u64::from(std::process::id()) | 1);
-    eprintln!("soak: {seconds} s, seed {seed}");
+    let partitions: u16 = std::env::var("DLU_SOAK_PARTITIONS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(8);
+    eprintln!("soak: {seconds} s, seed {seed}, {REPLICAS} replicas, {partitions} input partitions");
     let mut dice = Dice(seed);
 
     let mut cluster = NatsCluster::start(3).await;
@@ -287,14 +302,16 @@ async fn soak() {
         .collect::<Vec<_>>()
         .join(",");
     let mut replicas = Replicas {
-        children: vec![None, None],
+        children: (0..REPLICAS).map(|_| None).collect(),
         nats_urls: cluster.urls(),
         database_url: pg.url.clone(),
         key: key_path,
         overrides,
+        partitions,
     };
-    replicas.start(0);
-    replicas.start(1);
+    for i in 0..REPLICAS {
+        replicas.start(i);
+    }
 
     let stop = Arc::new(AtomicBool::new(false));
     let input = tokio::spawn(steady_input(js.clone(), remote.clone(), stop.clone()));
@@ -378,7 +395,7 @@ async fn soak() {
     let mut faults: Vec<_> = faults.into_iter().collect();
     faults.sort();
     eprintln!(
-        "soak: {seconds} s, seed {seed}, faults {faults:?}; {} updates and {} fetched users \
+        "soak: {seconds} s, seed {seed}, {partitions} input partitions, faults {faults:?}; {} updates and {} fetched users \
          published; {} key changes; lost: {} updates, {lost_fetches} fetched users; \
          duplicated: {duplicated}; {} users stale after a gap ({} updates waiting for their \
          fetch, such as {stale_by_gap:?}); {outbox} in the outbox; settled {:.1} s after the \
@@ -404,7 +421,7 @@ async fn soak() {
         expected,
         "no key change beyond the input's"
     );
-    for i in 0..2 {
+    for i in 0..REPLICAS {
         replicas.kill(i).await;
     }
 }

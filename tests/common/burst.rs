@@ -52,42 +52,60 @@ pub async fn seed_and_publish(db_url: &str, js: &jetstream::Context) {
 
 /// Stores the burst's users, each known up to stream id 0.
 pub async fn seed(db_url: &str) {
+    seed_users(db_url, (0..USERS).map(user)).await;
+}
+
+/// Stores `users`, each known up to stream id 0 (their server taken from
+/// the id), in chunks of 500.
+pub async fn seed_users(db_url: &str, users: impl Iterator<Item = String>) {
     let store = worker::open_store(db_url, Duration::from_secs(10))
         .await
         .expect("store");
-    let rows: Vec<_> = (0..USERS)
-        .map(|u| entity::remote_user::ActiveModel {
-            user_id: Set(user(u)),
-            server_name: Set("remote.example".into()),
-            known_stream_ids: Set("[0]".into()),
-            max_stream_id: Set(0),
-            fetched_stream_id: Set(0),
-        })
-        .collect();
-    entity::remote_user::Entity::insert_many(rows)
-        .exec_without_returning(store.connection())
-        .await
-        .expect("seed");
+    let users: Vec<String> = users.collect();
+    for chunk in users.chunks(500) {
+        let rows: Vec<_> = chunk
+            .iter()
+            .map(|id| entity::remote_user::ActiveModel {
+                user_id: Set(id.clone()),
+                server_name: Set(id.split_once(':').expect("a user id").1.to_owned()),
+                known_stream_ids: Set("[0]".into()),
+                max_stream_id: Set(0),
+                fetched_stream_id: Set(0),
+            })
+            .collect();
+        entity::remote_user::Entity::insert_many(rows)
+            .exec_without_returning(store.connection())
+            .await
+            .expect("seed");
+    }
 }
 
 /// Publishes `rounds` of the burst (every user's update of each round),
 /// each round's acks awaited before the next.
 pub async fn publish_rounds(js: &jetstream::Context, rounds: std::ops::RangeInclusive<usize>) {
-    let mut acks = Vec::new();
+    let users: Vec<String> = (0..USERS).map(user).collect();
     for round in rounds {
-        for u in 0..USERS {
-            let body = json!({"user_id": user(u), "device_id": "D", "stream_id": round,
-                "prev_id": [round - 1], "device_display_name": format!("name {round}"),
-                "keys": {"user_id": user(u), "device_id": "D", "round": round}});
-            acks.push(
-                js.publish("devicelist.in.update", body.to_string().into())
-                    .await
-                    .expect("publish"),
-            );
-        }
-        for ack in acks.drain(..) {
-            ack.await.expect("publish ack");
-        }
+        publish_round_of(js, &users, round).await;
+    }
+}
+
+/// Publishes round `round` of a chained burst for `users` (each update's
+/// `prev_id` is the round before, so an update applied out of order leaves
+/// its user stale) and waits for every ack.
+pub async fn publish_round_of(js: &jetstream::Context, users: &[String], round: usize) {
+    let mut acks = Vec::with_capacity(users.len());
+    for user in users {
+        let body = json!({"user_id": user, "device_id": "D", "stream_id": round,
+            "prev_id": [round - 1], "device_display_name": format!("name {round}"),
+            "keys": {"user_id": user, "device_id": "D", "round": round}});
+        acks.push(
+            js.publish("devicelist.in.update", body.to_string().into())
+                .await
+                .expect("publish"),
+        );
+    }
+    for ack in acks {
+        ack.await.expect("publish ack");
     }
 }
 
