@@ -33,6 +33,12 @@
 //!    `BENCH_LATENCY_USERS` users, and the fan-out of `BENCH_SERVERS`
 //!    (2000) × `BENCH_USERS_PER_SERVER` (5) stale users; with the worker's
 //!    peak RSS and CPU time. Only run when named.
+//! 7. `partitions`: ingest of `BENCH_OUTSIDE_UPDATES` realistic updates by
+//!    the worker binary in 1, 2 and 3 processes (`BENCH_REPLICAS`, a comma
+//!    list) at `DLU_INPUT_PARTITIONS=BENCH_PARTITIONS` (default 8), beside
+//!    one process at one partition, `BENCH_ROUNDS` rounds (default 3)
+//!    alternating; per replica its CPU, updates routed and ingested; and
+//!    the routing hop alone (`support/partitions.rs`). Only run when named.
 
 use std::time::{Duration, Instant};
 
@@ -40,6 +46,8 @@ use std::time::{Duration, Instant};
 mod fleet;
 #[path = "support/outside.rs"]
 mod outside;
+#[path = "support/partitions.rs"]
+mod partitions;
 
 use async_nats::jetstream::{self, stream};
 use device_list_updater::config::Config;
@@ -220,10 +228,14 @@ async fn fresh_streams(js: &jetstream::Context) {
         "KEY_CHANGE",
         "DEVICE_LIST_DEAD",
         "DEVICE_LIST_FETCH",
+        "DEVICE_LIST_INPUT_PARTS",
     ] {
         let _ = js.delete_stream(name).await;
     }
     let _ = js.delete_key_value(worker_lease_bucket()).await;
+    let _ = js
+        .delete_key_value(device_list_updater::bus::parts::COUNTS_BUCKET)
+        .await;
 }
 
 /// Every user `name(u)` of `0..users` known up to stream id 0, as after a
@@ -339,16 +351,20 @@ async fn steady_latency(
 
 /// `GET path` over plain HTTP/1.1; the body.
 async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    try_http_get(addr, path).await.expect("an HTTP answer")
+}
+
+/// The body of `GET path` from `addr`; None if nothing answers there.
+async fn try_http_get(addr: std::net::SocketAddr, path: &str) -> Option<String> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
     let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.expect("write");
+    stream.write_all(request.as_bytes()).await.ok()?;
     let mut response = String::new();
-    stream.read_to_string(&mut response).await.expect("read");
+    stream.read_to_string(&mut response).await.ok()?;
     response
         .split_once("\r\n\r\n")
         .map(|(_, body)| body.to_owned())
-        .unwrap_or_default()
 }
 
 /// What the worker's own latency histogram says: its count and the bucket
@@ -769,6 +785,73 @@ impl Latencies {
     }
 }
 
+/// The `partitions` phase (see the module docs): a table of its own.
+async fn partitions_phase() {
+    let admin = std::env::var("DLU_BENCH_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let n = env_usize("BENCH_OUTSIDE_UPDATES", 100_000);
+    let users = env_usize("BENCH_LATENCY_USERS", 5000);
+    let p = env_usize("BENCH_PARTITIONS", 8) as u16;
+    let rounds = env_usize("BENCH_ROUNDS", 3);
+    let counts: Vec<usize> = std::env::var("BENCH_REPLICAS")
+        .unwrap_or_else(|_| "1,2,3".into())
+        .split(',')
+        .filter_map(|c| c.trim().parse().ok())
+        .collect();
+    let mut shapes = vec![(1u16, 1usize, false), (p, 1, true)];
+    shapes.extend(counts.iter().map(|&r| (p, r, false)));
+    println!();
+    println!(
+        "| round | P | replicas | resume → all {n} key changes | updates/s | CPU of all replicas per update | machine busy | per replica: partitions held, routed, ingested, CPU per update ingested, peak RSS |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    // Rounds alternate the shapes, so a drift of the machine spreads over
+    // all of them; each run has a nats-server of its own.
+    for round in 1..=rounds {
+        for &(p, replicas, split) in &shapes {
+            let nats = Nats::start().await;
+            let (pg_url, pg_name) = create_postgres_database(&admin, "dlu_bench_parts").await;
+            let run = partitions::ingest(&nats, &pg_url, n, users, p, replicas, split).await;
+            drop_postgres_database(&admin, &pg_name).await;
+            let per_replica: Vec<String> = run
+                .replicas
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{} / {} / {} / {:.1} µs / {:.0} MiB",
+                        r.held,
+                        r.routed,
+                        r.ingested,
+                        r.cpu.as_secs_f64() * 1e6 / (r.ingested.max(1)) as f64,
+                        r.peak_rss_kib as f64 / 1024.0
+                    )
+                })
+                .collect();
+            let label = match run.routing {
+                Some((routing, cpu)) => format!(
+                    "routed in {:.2} s ({:.0}/s, {:.1} µs CPU per update), then ingested from partitions in {:.2} s",
+                    routing.as_secs_f64(),
+                    n as f64 / routing.as_secs_f64(),
+                    cpu.as_secs_f64() * 1e6 / n as f64,
+                    (run.elapsed - routing).as_secs_f64()
+                ),
+                None => format!("{:.2} s", run.elapsed.as_secs_f64()),
+            };
+            let rate = match run.routing {
+                Some((routing, _)) => n as f64 / (run.elapsed - routing).as_secs_f64(),
+                None => n as f64 / run.elapsed.as_secs_f64(),
+            };
+            println!(
+                "| {round} | {p} | {replicas}{} | {label} | {rate:.0} | {:.1} µs | {:.0} % | {} |",
+                if split { " (routing alone first)" } else { "" },
+                run.total_cpu().as_secs_f64() * 1e6 / n as f64,
+                run.machine_busy * 100.0,
+                per_replica.join("; ")
+            );
+        }
+    }
+}
+
 fn worker_lease_bucket() -> &'static str {
     device_list_updater::bus::lease::BUCKET
 }
@@ -915,6 +998,9 @@ fn main() {
                 run.elapsed.as_secs_f64(),
                 fetched as f64 / run.elapsed.as_secs_f64()
             );
+        }
+        if named("partitions") {
+            partitions_phase().await;
         }
         if runs("sqlite") {
             let dir = tempfile::tempdir().expect("dir");

@@ -38,7 +38,7 @@ pub struct Run {
 }
 
 /// The machine's CPU time so far, from `/proc/stat`: (busy, total) ticks.
-fn machine_ticks() -> (u64, u64) {
+pub(super) fn machine_ticks() -> (u64, u64) {
     let stat = std::fs::read_to_string("/proc/stat").expect("/proc/stat");
     let line = stat.lines().next().unwrap_or_default();
     let fields: Vec<u64> = line
@@ -55,7 +55,7 @@ fn machine_ticks() -> (u64, u64) {
 }
 
 /// Busy share between two [`machine_ticks`] readings.
-fn busy_since(before: (u64, u64)) -> f64 {
+pub(super) fn busy_since(before: (u64, u64)) -> f64 {
     let after = machine_ticks();
     let total = after.1.saturating_sub(before.1).max(1);
     after.0.saturating_sub(before.0) as f64 / total as f64
@@ -63,13 +63,24 @@ fn busy_since(before: (u64, u64)) -> f64 {
 
 /// The worker binary, started with the settings a homeserver would give
 /// (defaults for everything else); killed if dropped.
-struct Worker {
+pub(super) struct Worker {
     child: tokio::process::Child,
     pid: u32,
 }
 
 impl Worker {
     fn start(nats: &Nats, database_url: &str, key_path: &Path, overrides: &str) -> Worker {
+        Worker::start_with(nats, database_url, key_path, overrides, &[])
+    }
+
+    /// [`Worker::start`] with more environment variables (`extra` wins).
+    pub(super) fn start_with(
+        nats: &Nats,
+        database_url: &str,
+        key_path: &Path,
+        overrides: &str,
+        extra: &[(&str, String)],
+    ) -> Worker {
         let binary = env!("CARGO_BIN_EXE_device-list-updater");
         // `BENCH_WORKER_WRAPPER` (e.g. `heaptrack -o /tmp/worker`) runs the
         // worker under a profiler; its RSS and CPU figures are then the
@@ -92,6 +103,7 @@ impl Worker {
             .env("DLU_HTTP_ADDR", "127.0.0.1:0")
             .env("DLU_FEDERATION_OVERRIDES", overrides)
             .env("RUST_LOG", "warn")
+            .envs(extra.iter().map(|(k, v)| (*k, v.as_str())))
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             // Its own process group: a stop reaches a wrapped worker too.
@@ -103,7 +115,7 @@ impl Worker {
     }
 
     /// Peak RSS and CPU time so far, from `/proc`.
-    fn usage(&self) -> (u64, Duration) {
+    pub(super) fn usage(&self) -> (u64, Duration) {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).expect("status");
         let peak = status
             .lines()
@@ -139,7 +151,7 @@ impl Worker {
         }
     }
 
-    async fn stop(mut self) {
+    pub(super) async fn stop(mut self) {
         let _ = std::process::Command::new("kill")
             .args(["-TERM", "--", &format!("-{}", self.pid)])
             .status();
@@ -159,14 +171,14 @@ fn clock_ticks() -> f64 {
 }
 
 /// A new signing key file in `dir`.
-fn key_file(dir: &Path) -> (ServerKey, std::path::PathBuf) {
+pub(super) fn key_file(dir: &Path) -> (ServerKey, std::path::PathBuf) {
     let key = ServerKey::generate().expect("key");
     let path = dir.join("signing.key");
     key.write_new(&path).expect("key file");
     (key, path)
 }
 
-fn user_name(u: usize) -> String {
+pub(super) fn user_name(u: usize) -> String {
     format!("@user{u}:server{}.example", u % 500)
 }
 
