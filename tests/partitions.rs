@@ -32,6 +32,9 @@ const ROUNDS: usize = 10;
 const TOTAL: usize = USERS * ROUNDS;
 /// `DLU_LEASE_TTL` of the replicas.
 const LEASE_TTL: Duration = Duration::from_secs(3);
+/// How soon a replica that starts holds its share: its start-up (a process,
+/// its connections, the bus set-up) and a hand-over, each within seconds.
+const NEWCOMER_DEALT_WITHIN: Duration = Duration::from_secs(15);
 
 fn user(u: usize) -> String {
     format!("@p{u}:remote{}.example", u % 20)
@@ -248,7 +251,15 @@ async fn burst_with(fault: Fault) {
                 "{fault:?}: {name}'s partitions held by {survivors:?} {:.2} s after",
                 hit.elapsed().as_secs_f64()
             );
+            // One that starts takes its share within seconds, while the
+            // first half is still being ingested.
+            let started = Instant::now();
             deployment.spawn();
+            wait_dealt(&js, &mut deployment, NEWCOMER_DEALT_WITHIN).await;
+            eprintln!(
+                "{fault:?}: the new replica holds its share {:.2} s after its start",
+                started.elapsed().as_secs_f64()
+            );
         }
         Fault::KillNatsNode => {
             let leader = deployment
