@@ -178,12 +178,17 @@ pub(super) fn key_file(dir: &Path) -> (ServerKey, std::path::PathBuf) {
     (key, path)
 }
 
-pub(super) fn user_name(u: usize) -> String {
+fn user_name(u: usize) -> String {
     format!("@user{u}:server{}.example", u % 500)
 }
 
-/// The outside ingest workload (see the module docs).
-pub async fn ingest(nats: &Nats, database_url: &str, n: usize, users: usize) -> Run {
+/// The ingest workloads' starting state: the worker's streams gone, `users`
+/// users known up to stream id 0, an empty input stream.
+pub(super) async fn fresh_ingest(
+    nats: &Nats,
+    database_url: &str,
+    users: usize,
+) -> async_nats::jetstream::Context {
     let js = nats.js().await;
     fresh_streams(&js).await;
     let store = device_list_updater::worker::open_store(database_url, Duration::from_secs(10))
@@ -191,12 +196,24 @@ pub async fn ingest(nats: &Nats, database_url: &str, n: usize, users: usize) -> 
         .expect("db");
     seed_users(store.connection(), users, user_name).await;
     create_input_stream(&js).await;
+    js
+}
+
+/// Publishes `n` chained realistic updates over `users` users, round by
+/// round.
+pub(super) async fn publish_updates(js: &async_nats::jetstream::Context, n: usize, users: usize) {
     publish_all(
-        &js,
+        js,
         "devicelist.in.update",
         (0..n).map(|i| realistic_update(&user_name(i % users), 1 + i / users)),
     )
     .await;
+}
+
+/// The outside ingest workload (see the module docs).
+pub async fn ingest(nats: &Nats, database_url: &str, n: usize, users: usize) -> Run {
+    let js = fresh_ingest(nats, database_url, users).await;
+    publish_updates(&js, n, users).await;
     let dir = tempfile::tempdir().expect("dir");
     let (_, key_path) = key_file(dir.path());
     let ticks = machine_ticks();

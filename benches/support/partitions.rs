@@ -24,10 +24,10 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use device_list_updater::testkit::{Nats, create_input_stream, stream_len, wait_for};
+use device_list_updater::testkit::{Nats, stream_len, wait_for};
 
-use super::outside::{Worker, busy_since, key_file, machine_ticks, user_name};
-use super::{fresh_streams, publish_all, realistic_update, seed_users, try_http_get};
+use super::outside::{Worker, busy_since, fresh_ingest, key_file, machine_ticks, publish_updates};
+use super::try_http_get;
 
 /// The input stream and its consumer, as the worker names them.
 const INPUT: &str = "DEVICE_LIST_INPUT";
@@ -158,13 +158,7 @@ pub async fn ingest(
     replica_count: usize,
     routing_split: bool,
 ) -> Run {
-    let js = nats.js().await;
-    fresh_streams(&js).await;
-    let store = device_list_updater::worker::open_store(database_url, Duration::from_secs(10))
-        .await
-        .expect("db");
-    seed_users(store.connection(), users, user_name).await;
-    create_input_stream(&js).await;
+    let js = fresh_ingest(nats, database_url, users).await;
     let dir = tempfile::tempdir().expect("dir");
     let (_, key_path) = key_file(dir.path());
     let replicas: Vec<Replica> = (0..replica_count)
@@ -193,12 +187,7 @@ pub async fn ingest(
     }
 
     pause(&js, INPUT, INPUT_CONSUMER, true).await;
-    publish_all(
-        &js,
-        "devicelist.in.update",
-        (0..n).map(|i| realistic_update(&user_name(i % users), 1 + i / users)),
-    )
-    .await;
+    publish_updates(&js, n, users).await;
     let split = routing_split && partitions > 1;
     let part_consumers: Vec<String> = (0..partitions)
         .map(|p| format!("device-list-updater-part-{p}"))
