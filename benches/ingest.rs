@@ -258,6 +258,7 @@ async fn seed_users(
                 known_stream_ids: Set("[0]".into()),
                 max_stream_id: Set(0),
                 fetched_stream_id: Set(0),
+                fetched_at_ms: Set(0),
             }
         })
         .collect();
@@ -671,6 +672,7 @@ async fn seed_others(db: &sea_orm::DatabaseConnection) {
             known_stream_ids: Set("[0]".into()),
             max_stream_id: Set(0),
             fetched_stream_id: Set(0),
+            fetched_at_ms: Set(0),
         })
         .collect();
     let shared: Vec<_> = (0..OTHERS)

@@ -100,6 +100,24 @@ pub async fn stale(store: &Store, server: Option<&str>) -> Result<Value, AdminEr
     Ok(out)
 }
 
+/// Every remote server we know of, worst first (SPEC §5.7.4): tracked and
+/// stale users, back-off, last success, revalidations and divergences.
+pub async fn servers(store: &Store) -> Result<Value, AdminError> {
+    let servers = store.server_figures().await?;
+    let total = |f: fn(&crate::store::revalidate::ServerFigures) -> i64| -> i64 {
+        servers.iter().map(f).sum()
+    };
+    Ok(json!({
+        "servers_known": servers.len(),
+        "tracked_users": total(|s| s.tracked_users),
+        "stale_users": total(|s| s.stale_users),
+        "servers_backing_off": servers.iter().filter(|s| s.retry_at_ms.is_some()).count(),
+        "revalidations": total(|s| s.revalidations),
+        "divergences": total(|s| s.divergences),
+        "servers": servers,
+    }))
+}
+
 /// Marks `user` stale and enqueues its server's fetch job (a parked job is
 /// started; `retry_min`: `DLU_RETRY_MIN`, as the worker's wake-ups use it); a
 /// running worker fetches it. With membership on, a user that shares no

@@ -87,6 +87,7 @@ async fn metrics(State(health): State<Health>) -> impl axum::response::IntoRespo
         fetch_jobs,
         users_backing_off: health.store.users_backing_off(now).await.ok(),
         servers_backing_off: health.store.servers_backing_off(now).await.ok(),
+        revalidations_queued: health.store.queued_revalidation_count().await.ok(),
     });
     health
         .metrics

@@ -26,6 +26,9 @@ enum AdminCommand {
         #[arg(long)]
         server: Option<String>,
     },
+    /// List remote servers, worst first: tracked and stale users, back-off,
+    /// last success, revalidations and divergences.
+    Servers,
     /// Mark a user stale and queue its server's fetch (a worker fetches it).
     Resync {
         /// The user id.
@@ -58,6 +61,7 @@ impl AdminCommand {
             }
             AdminCommand::User { .. }
             | AdminCommand::Stale { .. }
+            | AdminCommand::Servers
             | AdminCommand::UntrackUnshared { .. }
             | AdminCommand::Rooms { .. } => false,
         }
@@ -175,6 +179,7 @@ async fn admin(settings: &Settings, json: bool, command: AdminCommand) -> ExitCo
                 admin::user(&store, &admin::user_ids(&users)?).await
             }
             (AdminCommand::Stale { server }, _) => admin::stale(&store, server.as_deref()).await,
+            (AdminCommand::Servers, _) => admin::servers(&store).await,
             (AdminCommand::Resync { user }, Some(js)) => {
                 let user = admin::user_id(&user)?;
                 admin::resync(&store, js, settings.retry_min, &user).await

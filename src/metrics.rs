@@ -50,6 +50,8 @@ struct Inner {
     users_untracked: IntCounter,
     /// Input partitions and routing.
     partitions: PartitionMetrics,
+    /// Revalidations and divergences (SPEC §5.7.4).
+    revalidations: RevalidationMetrics,
     /// Scrape-time gauges.
     gauges: Gauges,
 }
@@ -62,6 +64,7 @@ struct Gauges {
     fetch_jobs_pending: IntGauge,
     users_backing_off: IntGauge,
     servers_backing_off: IntGauge,
+    revalidations_queued: IntGauge,
 }
 
 impl Gauges {
@@ -97,6 +100,11 @@ impl Gauges {
                 r,
                 "dlu_servers_backing_off",
                 "Remote servers in back-off after their own failures (whole deployment).",
+            ),
+            revalidations_queued: gauge(
+                r,
+                "dlu_revalidations_queued",
+                "Users picked for a revalidation and waiting for their server's fetch job (whole deployment).",
             ),
         }
     }
@@ -135,6 +143,34 @@ impl PartitionMetrics {
     }
 }
 
+/// Revalidations (SPEC §5.7.4): totals only, no label per server (the
+/// number of servers has no bound; `admin servers` has the figures per
+/// server).
+struct RevalidationMetrics {
+    /// Revalidations by outcome.
+    outcomes: IntCounterVec,
+    /// Revalidations that found a difference.
+    divergences: IntCounter,
+}
+
+impl RevalidationMetrics {
+    fn new(r: &Registry) -> RevalidationMetrics {
+        RevalidationMetrics {
+            outcomes: counter_vec(
+                r,
+                "dlu_revalidations_total",
+                "Revalidations (SPEC 5.7), by outcome: unchanged, diverged, failed, untracked.",
+                &["outcome"],
+            ),
+            divergences: counter(
+                r,
+                "dlu_revalidation_divergences_total",
+                "Revalidations whose answer differed from the stored list: updates a remote server did not send.",
+            ),
+        }
+    }
+}
+
 /// What happened to an input partition this replica holds or held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PartitionMove {
@@ -162,6 +198,8 @@ pub struct SharedState {
     pub users_backing_off: Option<u64>,
     /// Servers in back-off after their own failures.
     pub servers_backing_off: Option<u64>,
+    /// Revalidations queued.
+    pub revalidations_queued: Option<u64>,
 }
 
 fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -274,6 +312,7 @@ impl Metrics {
                 &["reason"],
             ),
             partitions: PartitionMetrics::new(&r),
+            revalidations: RevalidationMetrics::new(&r),
             gauges: Gauges::new(&r),
             registry: r,
         };
@@ -346,6 +385,15 @@ impl Metrics {
             .observe(seconds);
     }
 
+    /// Counts a revalidation by outcome (`diverged` also counts a divergence).
+    pub fn revalidation(&self, outcome: &str) {
+        let revalidations = &self.inner.revalidations;
+        revalidations.outcomes.with_label_values(&[outcome]).inc();
+        if outcome == "diverged" {
+            revalidations.divergences.inc();
+        }
+    }
+
     /// Counts a waiting fetch job started early (`back_off_ended`, `user_due`).
     pub fn wakeup(&self, reason: &str) {
         self.inner.wakeups.with_label_values(&[reason]).inc();
@@ -393,6 +441,10 @@ impl Metrics {
             &self.inner.gauges.servers_backing_off,
             state.servers_backing_off,
         );
+        set(
+            &self.inner.gauges.revalidations_queued,
+            state.revalidations_queued,
+        );
     }
 
     /// The text exposition of every metric.
@@ -420,6 +472,7 @@ mod tests {
         metrics.dead_letter("not_json");
         metrics.fetch("example.org", "stored", 0.1);
         metrics.published(1, "update", [0.1]);
+        metrics.revalidation("diverged");
         let families = metrics.inner.registry.gather();
         assert!(families.len() >= 11, "{} families", families.len());
         for family in families {

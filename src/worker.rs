@@ -157,10 +157,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         .rpc(client, &config.server_name, queue.clone())
         .await?;
     tasks.startup_rescan(queue.clone(), settings.startup_spread);
-    let sweeps = Arc::new(tokio::sync::Notify::new());
-    if tracking.by_rooms() {
-        tasks.room_sweeps(queue.clone(), sweeps.clone());
-    }
+    let replica = replica_id();
+    tasks.revalidation(queue.clone(), settings, leases.clone(), replica.clone());
+    let sweeps = tasks.room_sweeps(queue.clone(), tracking.by_rooms());
     let ingest = Ingest {
         js: tasks.js.clone(),
         store: tasks.store.clone(),
@@ -183,7 +182,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             stream: String::new(),
             partition: 0,
         },
-        replica: replica_id(),
+        replica,
     };
     tasks.ingest(ingest, inputs);
     // Last: it ends after every outbox handle (ingest, the fetch writer) has
@@ -269,6 +268,7 @@ impl Tasks {
             ack_wait: settings.ack_wait,
             metrics: self.metrics.clone(),
             backlog,
+            revalidation_slots: Fetcher::revalidation_slots(settings.fetch_concurrency),
         };
         self.set.spawn(fetcher.run(consumer, self.shutdown.clone()));
         let wakeups = Wakeups::default();
@@ -310,16 +310,45 @@ impl Tasks {
         ));
     }
 
-    /// Room sweeps (SPEC §5.5.5), woken by ingest through `wake`.
-    fn room_sweeps(&mut self, queue: FetchQueue, wake: Arc<tokio::sync::Notify>) {
+    /// The revalidation pacer (SPEC §5.7), on whichever replica holds its
+    /// lease; none when `DLU_REVALIDATE_AFTER` is zero.
+    fn revalidation(
+        &mut self,
+        queue: FetchQueue,
+        settings: &Settings,
+        leases: jetstream::kv::Store,
+        replica: String,
+    ) {
+        if settings.revalidate_after.is_zero() {
+            return;
+        }
+        let revalidator = crate::fetch::revalidate::Revalidator {
+            store: self.store.clone(),
+            queue,
+            after: settings.revalidate_after,
+            leases,
+            replica,
+            lease_ttl: settings.lease_ttl,
+        };
+        self.set.spawn(revalidator.run(self.shutdown.clone()));
+    }
+
+    /// Room sweeps (SPEC §5.5.5) when rooms decide who is tracked; returns
+    /// what ingest wakes them with.
+    fn room_sweeps(&mut self, queue: FetchQueue, by_rooms: bool) -> Arc<tokio::sync::Notify> {
+        let wake = Arc::new(tokio::sync::Notify::new());
+        if !by_rooms {
+            return wake;
+        }
         let sweeper = crate::sweep::Sweeper {
             store: self.store.clone(),
             queue,
-            wake,
+            wake: wake.clone(),
             metrics: self.metrics.clone(),
             faults: self.faults,
         };
         self.set.spawn(sweeper.run(self.shutdown.clone()));
+        wake
     }
 
     /// Ingest: one loop per input stream (applying or routing it), and,
@@ -444,11 +473,18 @@ async fn connect(config: &Config, tracking: Tracking) -> Result<Connected, Start
 }
 
 /// Start-up rescan (SPEC §5.2): hands every server that still has stale
-/// users to the fetch queue (a parked job with a user due runs now), spread evenly over `spread` so a restart does not
+/// users or queued revalidations to the fetch queue (a parked job with a user due runs now), spread evenly over `spread` so a restart does not
 /// hit every remote server at once. Jobs already queued are refused by the
 /// stream, so replicas starting together do no double work.
 async fn rescan_stale(queue: FetchQueue, store: Store, spread: Duration, stop: Shutdown) {
-    let servers = match store.servers_with_stale_users().await {
+    let servers = async {
+        let mut servers = store.servers_with_stale_users().await?;
+        servers.extend(store.servers_with_revalidations().await?);
+        servers.sort_unstable();
+        servers.dedup();
+        Ok::<_, DbErr>(servers)
+    };
+    let servers = match servers.await {
         Ok(servers) => servers,
         Err(e) => {
             tracing::warn!(error = %e, "start-up rescan failed; stale users wait for their next update");

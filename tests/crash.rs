@@ -43,6 +43,7 @@ impl Setup {
             known_stream_ids: Set("[5]".into()),
             max_stream_id: Set(5),
             fetched_stream_id: Set(0),
+            fetched_at_ms: Set(0),
         }
         .insert(store.connection())
         .await

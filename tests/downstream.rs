@@ -43,6 +43,7 @@ async fn a_full_key_change_stream_holds_events_in_the_outbox(backend: Backend) {
         known_stream_ids: Set("[0]".into()),
         max_stream_id: Set(0),
         fetched_stream_id: Set(0),
+        fetched_at_ms: Set(0),
     })
     .exec_without_returning(running.store.connection())
     .await

@@ -157,6 +157,7 @@ async fn good_and_bad_at_volume(backend: Backend) {
             known_stream_ids: Set("[0]".into()),
             max_stream_id: Set(0),
             fetched_stream_id: Set(0),
+            fetched_at_ms: Set(0),
         })
         .collect();
     for chunk in seeded.chunks(500) {

@@ -52,6 +52,7 @@ impl Env {
             known_stream_ids: Set(serde_json::to_string(ids).unwrap()),
             max_stream_id: Set(ids.iter().copied().max().unwrap_or(0)),
             fetched_stream_id: Set(0),
+            fetched_at_ms: Set(0),
         }
         .insert(self.db())
         .await

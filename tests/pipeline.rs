@@ -45,6 +45,7 @@ async fn later_batch_waits_for_earlier(backend: common::Backend) {
         known_stream_ids: Set("[0]".into()),
         max_stream_id: Set(0),
         fetched_stream_id: Set(0),
+        fetched_at_ms: Set(0),
     }
     .insert(store.connection())
     .await

@@ -50,6 +50,7 @@ async fn two_workers_keep_per_user_order(backend: Backend) {
             known_stream_ids: Set("[0]".into()),
             max_stream_id: Set(0),
             fetched_stream_id: Set(0),
+            fetched_at_ms: Set(0),
         })
         .collect();
     remote_user::Entity::insert_many(users)

@@ -20,6 +20,9 @@ pub struct Model {
     /// The stream position of the last fetched list (0: never fetched).
     /// Updates at or below it are already part of that list.
     pub fetched_stream_id: i64,
+    /// When the list was last fetched (Unix ms; 0: never). A list older
+    /// than `DLU_REVALIDATE_AFTER` is fetched again (SPEC §5.7).
+    pub fetched_at_ms: i64,
 }
 
 /// No relations are declared: joins are written where they are needed.

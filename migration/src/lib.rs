@@ -16,6 +16,7 @@ mod m20261201_000003_fetch_backoff;
 mod m20261202_000001_rooms;
 mod m20261203_000001_room_sweep_index;
 mod m20261203_000002_room_id_collation;
+mod m20261204_000001_revalidation;
 
 /// The list of migrations, oldest first.
 pub struct Migrator;
@@ -31,6 +32,7 @@ impl MigratorTrait for Migrator {
             Box::new(m20261202_000001_rooms::Migration),
             Box::new(m20261203_000001_room_sweep_index::Migration),
             Box::new(m20261203_000002_room_id_collation::Migration),
+            Box::new(m20261204_000001_revalidation::Migration),
         ]
     }
 }

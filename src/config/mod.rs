@@ -146,6 +146,10 @@ pub struct Settings {
     /// A fetched list with more devices is not stored.
     #[serde(deserialize_with = "value::number")]
     pub max_devices: usize,
+    /// A tracked list last fetched longer ago than this is fetched again,
+    /// spread evenly, after real work (SPEC §5.7); zero: never.
+    #[serde(deserialize_with = "value::duration")]
+    pub revalidate_after: Duration,
     /// Subject of device-list updates.
     pub input_update_subject: String,
     /// Subject of signing-key updates.
@@ -213,6 +217,7 @@ impl Default for Settings {
             retry_max: Duration::from_secs(3600),
             startup_spread: Duration::from_secs(120),
             max_devices: 1000,
+            revalidate_after: Duration::from_secs(7 * 24 * 3600),
             input_update_subject: InputKind::Update.default_subject().into(),
             input_signing_key_subject: InputKind::SigningKey.default_subject().into(),
             input_resync_subject: InputKind::Resync.default_subject().into(),
@@ -444,6 +449,8 @@ impl Config {
             lease_ttl: Duration::from_secs(2),
             ack_wait: Duration::from_secs(2),
             fetch_concurrency: 64,
+            // Tests of revalidation turn it on with a short period.
+            revalidate_after: Duration::ZERO,
             ..Settings::default()
         };
         Config {

@@ -1,5 +1,5 @@
 //! Decide: the pure rules that turn input into writes and events (SPEC §5.1,
-//! §5.4, §5.5, §5.6). Nothing here does I/O, so all of it is unit-tested in memory.
+//! §5.4, §5.5, §5.6, §5.7). Nothing here does I/O, so all of it is unit-tested in memory.
 
 pub mod batch;
 pub mod device;
@@ -8,6 +8,7 @@ pub mod known_ids;
 pub mod membership;
 pub mod partitions;
 pub mod plan;
+pub mod revalidate;
 pub mod rooms;
 pub mod rules;
 

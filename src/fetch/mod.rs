@@ -11,7 +11,8 @@
 //! * `queue`: the one way in for users that need fetching: enqueue their
 //!   servers' jobs and start parked ones;
 //! * [`give_way`]: the fan-out gives way to ingest while it has a backlog;
-//! * `resync`: a resync asked for outside the input stream.
+//! * `resync`: a resync asked for outside the input stream;
+//! * `revalidate`: the pacer that queues lists due for a revalidation.
 
 pub mod answer;
 pub(crate) mod discovery;
@@ -23,5 +24,6 @@ pub(crate) mod jobs;
 pub(crate) mod queue;
 pub(crate) mod resync;
 pub(crate) mod retry;
+pub(crate) mod revalidate;
 pub(crate) mod wake;
 pub(crate) mod writer;

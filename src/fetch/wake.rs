@@ -207,7 +207,7 @@ pub async fn wake_round(
             continue;
         };
         let heard = noted.get(&server).copied().flatten();
-        let due_user = wait.failures == 0 && store.has_due_user(&server, now).await?;
+        let due_user = wait.failures == 0 && store.has_fetch_work(&server, now).await?;
         let Some(wake) = wake_reason(&wait, now, min_gap, heard, due_user) else {
             continue;
         };

@@ -96,6 +96,25 @@ impl Store {
         Ok(!self.due_stale_users(server, now_ms, 1).await?.is_empty())
     }
 
+    /// Whether `server`'s job has work at `now_ms`: a stale user or a
+    /// queued revalidation (SPEC §5.7) whose own wait is over.
+    pub async fn has_fetch_work(&self, server: &ServerName, now_ms: i64) -> Result<bool, DbErr> {
+        Ok(self.has_due_user(server, now_ms).await?
+            || !self.due_revalidations(server, now_ms, 1).await?.is_empty())
+    }
+
+    /// When `server`'s job next has work, of the stale users and queued
+    /// revalidations still in their own waits at `now_ms` (None: none).
+    pub async fn next_work_due(
+        &self,
+        server: &ServerName,
+        now_ms: i64,
+    ) -> Result<Option<i64>, DbErr> {
+        let user = self.next_user_due(server, now_ms).await?;
+        let revalidation = self.next_revalidation_due(server, now_ms).await?;
+        Ok(user.into_iter().chain(revalidation).min())
+    }
+
     /// Records `user`'s own failure: `failures` in a row now, not to be
     /// asked again before `next_attempt_ms`.
     pub async fn note_user_failure(

@@ -19,7 +19,7 @@ const LOCK_USERS: &str = "SELECT count(pg_advisory_xact_lock(h)) AS n FROM \
      (SELECT DISTINCT hashtext(u) AS h FROM UNNEST($1::text[]) AS v(u) ORDER BY 1) AS s";
 
 const SELECT_USERS: &str = "SELECT user_id, server_name, known_stream_ids, max_stream_id, \
-     fetched_stream_id \
+     fetched_stream_id, fetched_at_ms \
      FROM remote_user WHERE user_id = ANY($1::text[])";
 
 const SELECT_STALE: &str = "SELECT user_id, server_name, marked_at_ms, trigger_stream_ids, \

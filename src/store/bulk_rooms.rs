@@ -14,7 +14,8 @@ use crate::decide::RoomWrites;
 /// Every stored row of the users given, in one round trip (SPEC §5.5.4).
 const UNTRACK: &str = "WITH d AS (DELETE FROM remote_device WHERE user_id = ANY($1::text[])), \
      u AS (DELETE FROM remote_user WHERE user_id = ANY($1::text[])), \
-     s AS (DELETE FROM stale_user WHERE user_id = ANY($1::text[])) \
+     s AS (DELETE FROM stale_user WHERE user_id = ANY($1::text[])), \
+     q AS (DELETE FROM revalidation WHERE user_id = ANY($1::text[])) \
      DELETE FROM cross_signing_key WHERE user_id = ANY($1::text[])";
 
 const UPSERT_ROOMS: &str = "INSERT INTO room (room_id, local_joined, sweep) \

@@ -9,6 +9,7 @@ use sea_orm::{
 };
 
 use super::outbox::OutboxBatch;
+use super::revalidate::Answered;
 use super::rows::{self, CHUNK};
 use super::{Store, lock_users, write};
 use crate::decide::fetched::{FetchPlan, FetchRefusal, FetchedList, StoredUser, plan_fetch};
@@ -99,6 +100,7 @@ impl Store {
         let mut rows = Plan::default();
         let mut fresh = Vec::new();
         let mut outcomes = Vec::with_capacity(items.len());
+        let mut answered = Vec::with_capacity(items.len());
         for item in items {
             let user = &item.user;
             let now = stored.remove(user).unwrap_or_default();
@@ -113,14 +115,21 @@ impl Store {
                 &item.list,
                 max_devices,
             );
-            if let Ok(plan) = &outcome
-                && add_rows(&mut rows, user, plan)
-            {
-                fresh.push(user.as_str().to_owned());
+            if let Ok(plan) = &outcome {
+                answered.push(Answered {
+                    user,
+                    revalidation: item.revalidation,
+                    changed: !plan.events.is_empty(),
+                });
+                if add_rows(&mut rows, user, plan) {
+                    fresh.push(user.as_str().to_owned());
+                }
             }
             outcomes.push(outcome);
         }
         let outbox = write::plan(&txn, &rows, now_ms).await?;
+        // After the users' rows exist: their fetch time is set on them.
+        super::revalidate::record_fetches(&txn, &answered, now_ms).await?;
         // A user kept stale by a trigger that came in meanwhile was answered:
         // its own back-off is over.
         let answered: Vec<String> = rows.stale.keys().map(|u| u.as_str().to_owned()).collect();
@@ -173,6 +182,8 @@ pub struct FetchedUser {
     pub user: OwnedUserId,
     /// The user's stale mark when the request was sent.
     pub stale_at_start: Option<StaleMark>,
+    /// A revalidation (SPEC §5.7): a change it finds is a divergence.
+    pub revalidation: bool,
     /// The answer.
     pub list: FetchedList,
 }

@@ -11,6 +11,7 @@ pub(crate) mod fetched;
 mod load;
 pub(crate) mod outbox;
 pub mod query;
+pub mod revalidate;
 mod room_writes;
 pub mod rooms;
 mod rows;

@@ -5,8 +5,8 @@
 //! of `bulk_rooms.rs`; these are the portable ones.
 
 use entity::{
-    cross_signing_key, member_key_link, remote_device, remote_user, room, room_member, room_user,
-    shared_user, stale_user,
+    cross_signing_key, member_key_link, remote_device, remote_user, revalidation, room,
+    room_member, room_user, shared_user, stale_user,
 };
 use ruma::ServerName;
 use sea_orm::sea_query::OnConflict;
@@ -50,6 +50,10 @@ async fn untrack<C: ConnectionTrait>(db: &C, writes: &RoomWrites) -> Result<(), 
             .await?;
         stale_user::Entity::delete_many()
             .filter(stale_user::Column::UserId.is_in(ids()))
+            .exec(db)
+            .await?;
+        revalidation::Entity::delete_many()
+            .filter(revalidation::Column::UserId.is_in(ids()))
             .exec(db)
             .await?;
         cross_signing_key::Entity::delete_many()

@@ -13,7 +13,7 @@
 
 use entity::{room, room_user, stale_user};
 use ruma::OwnedUserId;
-use sea_orm::sea_query::{Alias, Expr, ExprTrait as _, Query, SelectStatement};
+use sea_orm::sea_query::{Alias, Expr, ExprTrait as _, IntoColumnRef, Query, SelectStatement};
 use sea_orm::{ConnectionTrait, DbErr, FromQueryResult};
 
 use super::rows::CHUNK;
@@ -65,13 +65,16 @@ pub(super) async fn rooms_shared_now<C: ConnectionTrait>(
 /// With membership on, only such users are fetched (SPEC §5.2: no request
 /// for a user who shares nothing; §5.5.9).
 pub(super) fn stale_user_shares_now() -> Expr {
+    shares_now((stale_user::Entity, stale_user::Column::UserId))
+}
+
+/// A condition on rows whose user id is `user`: that user shares a room
+/// with us now.
+pub(super) fn shares_now(user: impl IntoColumnRef) -> Expr {
     Expr::exists(
         counted_pairs()
             .expr(Expr::val(1))
-            .and_where(
-                Expr::col((room_user::Entity, room_user::Column::UserId))
-                    .equals((stale_user::Entity, stale_user::Column::UserId)),
-            )
+            .and_where(Expr::col((room_user::Entity, room_user::Column::UserId)).equals(user))
             .to_owned(),
     )
 }

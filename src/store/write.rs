@@ -109,6 +109,8 @@ async fn portable_users_and_devices<C: ConnectionTrait>(db: &C, plan: &Plan) -> 
             known_stream_ids: Set(state.known.to_json()),
             max_stream_id: Set(state.max_stream_id),
             fetched_stream_id: Set(state.fetched_stream_id),
+            // Written by the fetch writer alone (see `store/revalidate.rs`).
+            fetched_at_ms: sea_orm::ActiveValue::NotSet,
         })
         .collect();
     upsert(

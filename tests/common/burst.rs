@@ -71,6 +71,7 @@ pub async fn seed_users(db_url: &str, users: impl Iterator<Item = String>) {
                 known_stream_ids: Set("[0]".into()),
                 max_stream_id: Set(0),
                 fetched_stream_id: Set(0),
+                fetched_at_ms: Set(0),
             })
             .collect();
         entity::remote_user::Entity::insert_many(rows)

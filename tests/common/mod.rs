@@ -393,6 +393,7 @@ pub async fn known_user(db: &sea_orm::DatabaseConnection, user: &str) {
         known_stream_ids: Set("[0]".into()),
         max_stream_id: Set(0),
         fetched_stream_id: Set(0),
+        fetched_at_ms: Set(0),
     }
     .insert(db)
     .await

@@ -17,6 +17,12 @@
 //! survive restarts and are shared by replicas; the job's NAK delay follows
 //! them, and a job delivered before its server's wait is over (recreated by
 //! the start-up rescan after the queue was lost) goes back to wait the rest.
+//!
+//! Revalidations (SPEC §5.7) queued for the server run in the same job,
+//! after its stale users and one at a time, looking for stale users again
+//! before each, so real work never waits behind them. Across servers, at
+//! most half of the replica's job slots send revalidations at once; the
+//! others stay free for stale users.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -30,17 +36,25 @@ use tracing::Instrument as _;
 
 use super::federation::{FederationClient, FetchFailure};
 use super::give_way::{IngestBacklog, Turn};
-use super::retry::{Blame, FailureKind, RetryPolicy, blame, random_unit};
-use super::writer::{FetchWriter, Written};
+use super::retry::{Blame, RetryPolicy, blame, random_unit};
+use super::writer::FetchWriter;
 use crate::bus::fetch_jobs::{self, FetchJob};
-use crate::decide::fetched::FetchRefusal;
 use crate::shutdown::{AbortOnDrop, Shutdown};
 use crate::store::backoff::DueUser;
-use crate::store::fetched::FetchedUser;
+use crate::store::revalidate::DueRevalidation;
 use crate::store::{Store, now_ms};
+
+mod request;
+use request::Asked;
 
 /// Stale users read per round of a job.
 const USERS_PER_ROUND: u64 = 100;
+/// Revalidations sent per round of a job before stale users are looked for
+/// again: one, so a stale user waits for at most the request in flight.
+const REVALIDATIONS_PER_ROUND: u64 = 1;
+/// How long a job with revalidations left waits when every revalidation
+/// slot is taken.
+const SLOT_WAIT: Duration = Duration::from_secs(1);
 /// How long one pull waits.
 const PULL_EXPIRY: Duration = Duration::from_secs(1);
 /// A job delivered this close to its server's wait end runs anyway (clock
@@ -70,6 +84,17 @@ pub struct Fetcher {
     pub metrics: crate::metrics::Metrics,
     /// While ingest has a backlog, jobs wait for one of a few turns.
     pub backlog: IngestBacklog,
+    /// Jobs sending revalidations at once (see [`Fetcher::revalidation_slots`]).
+    pub revalidation_slots: Arc<Semaphore>,
+}
+
+/// What a parked job looks for once more before it parks.
+#[derive(Clone, Copy, Debug)]
+enum Waiting {
+    /// Any due work: it parks because none was left.
+    AnyWork,
+    /// Stale users only: its revalidations are due but wait for a slot.
+    StaleUsers,
 }
 
 /// A job in hand: its server, the server's failures in a row when it
@@ -104,6 +129,12 @@ enum JobEnd {
 }
 
 impl Fetcher {
+    /// The slots of jobs sending revalidations at once: half the job
+    /// slots (at least one), so stale users always find free ones.
+    pub fn revalidation_slots(concurrency: usize) -> Arc<Semaphore> {
+        Arc::new(Semaphore::new((concurrency / 2).max(1)))
+    }
+
     /// Pulls and runs jobs until `shutdown` turns true; jobs in hand finish
     /// their current request and are given back.
     pub async fn run(self, consumer: PullConsumer, shutdown: Shutdown) {
@@ -219,8 +250,9 @@ impl Fetcher {
                 }
                 // Users marked stale while this job was in hand could not
                 // enqueue a second job for the server: look again.
-                // Any stale user counts, due or still in its own back-off.
-                match self.store.has_due_user(server, i64::MAX).await {
+                // Any stale user or revalidation counts, due or still in
+                // its own back-off.
+                match self.store.has_fetch_work(server, i64::MAX).await {
                     Ok(true) => self.enqueue(server).await,
                     Ok(false) => {}
                     Err(e) => {
@@ -232,7 +264,7 @@ impl Fetcher {
             }
             JobEnd::Parked(due_ms) => {
                 let left = Duration::from_millis(u64::try_from(due_ms - now_ms()).unwrap_or(0));
-                tracing::debug!(%server, ?left, "every stale user left is in its own back-off");
+                tracing::debug!(%server, ?left, "every user left is in its own back-off");
                 left
             }
             JobEnd::ServerFailed {
@@ -257,8 +289,9 @@ impl Fetcher {
         }
     }
 
-    /// Fetches the server's stale users whose own wait is over, one
-    /// request at a time. `failures`: the server's failures in a row so far.
+    /// Fetches the server's stale users whose own wait is over, then its
+    /// queued revalidations, one request at a time. `failures`: the
+    /// server's failures in a row so far.
     async fn run_job(
         &self,
         server: &OwnedServerName,
@@ -294,24 +327,20 @@ impl Fetcher {
                 .filter(|due| !done.contains(&due.user))
                 .collect();
             if todo.is_empty() {
-                return self.park_or_done(server).await;
+                // Real work is done: a round of revalidations, if any.
+                match self
+                    .revalidate_round(&mut job, &mut done, &mut turn, shutdown)
+                    .await
+                {
+                    Some(end) => return end,
+                    None => continue,
+                }
             }
             for due in todo {
-                if shutdown.is_requested() {
-                    return JobEnd::Interrupted;
-                }
-                // On shutdown a request in flight is abandoned and the job
-                // given back at once, rather than holding the stop for up to
-                // DLU_FEDERATION_TIMEOUT. A list already handed to the writer
-                // is still stored by it.
-                let result = tokio::select! {
-                    result = async {
-                        self.backlog.keep_turn(&mut turn).await;
-                        self.fetch_user(&due.user, &due.mark).await
-                    } => result,
-                    () = shutdown.requested() => return JobEnd::Interrupted,
-                };
-                if let Some(end) = self.after_fetch(&mut job, &due, result).await {
+                if let Some(end) = self
+                    .ask(&mut job, Asked::Stale(&due), &mut turn, shutdown)
+                    .await
+                {
                     return end;
                 }
                 done.insert(due.user);
@@ -319,12 +348,92 @@ impl Fetcher {
         }
     }
 
+    /// One round of the server's queued revalidations (SPEC §5.7), run once
+    /// no stale user is due: None to look for stale users again, or how the
+    /// job ends (nothing left: done or parked; no slot free; a failure).
+    async fn revalidate_round(
+        &self,
+        job: &mut Running<'_>,
+        done: &mut BTreeSet<OwnedUserId>,
+        turn: &mut Option<Turn>,
+        shutdown: &Shutdown,
+    ) -> Option<JobEnd> {
+        let due = match self
+            .store
+            .due_revalidations(
+                job.server,
+                now_ms(),
+                REVALIDATIONS_PER_ROUND + done.len() as u64,
+            )
+            .await
+        {
+            Ok(due) => due,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read queued revalidations");
+                return Some(JobEnd::Local);
+            }
+        };
+        let todo: Vec<DueRevalidation> = due
+            .into_iter()
+            .filter(|due| !done.contains(&due.user))
+            .take(REVALIDATIONS_PER_ROUND as usize)
+            .collect();
+        if todo.is_empty() {
+            return Some(self.park_or_done(job.server).await);
+        }
+        let Ok(_slot) = self.revalidation_slots.clone().try_acquire_owned() else {
+            // Every revalidation slot is taken: come back shortly, or
+            // sooner for a stale user (a parked job is woken for one).
+            let until = now_ms() + i64::try_from(SLOT_WAIT.as_millis()).unwrap_or(0);
+            return Some(self.park(job.server, until, Waiting::StaleUsers).await);
+        };
+        for due in todo {
+            if let Some(end) = self
+                .ask(job, Asked::Revalidation(&due), turn, shutdown)
+                .await
+            {
+                return Some(end);
+            }
+            done.insert(due.user);
+        }
+        None
+    }
+
+    /// Sends one request of the job and deals with its answer: None to go
+    /// on, or how the job ends.
+    async fn ask(
+        &self,
+        job: &mut Running<'_>,
+        asked: Asked<'_>,
+        turn: &mut Option<Turn>,
+        shutdown: &Shutdown,
+    ) -> Option<JobEnd> {
+        if shutdown.is_requested() {
+            return Some(JobEnd::Interrupted);
+        }
+        // On shutdown a request in flight is abandoned and the job given
+        // back at once, rather than holding the stop for up to
+        // DLU_FEDERATION_TIMEOUT. A list already handed to the writer is
+        // still stored by it.
+        let result = tokio::select! {
+            result = async {
+                self.backlog.keep_turn(turn).await;
+                self.fetch_user(asked).await
+            } => result,
+            () = shutdown.requested() => return Some(JobEnd::Interrupted),
+        };
+        if let Asked::Revalidation(due) = asked {
+            self.revalidated(due, &result).await;
+        }
+        self.after_fetch(job, asked, result.map(|_| ())).await
+    }
+
     /// What one user's fetch means for the job: None to go on with the next
     /// user, or how the job ends (the server failed, or a local problem).
     async fn after_fetch(
         &self,
         job: &mut Running<'_>,
-        due: &DueUser,
+        asked: Asked<'_>,
         result: Result<(), FetchFailure>,
     ) -> Option<JobEnd> {
         let answered = result
@@ -338,18 +447,18 @@ impl Fetcher {
             }
         }
         let failure = result.err()?;
-        tracing::info!(user = %due.user, reason = %failure.reason, "fetch failed");
+        let user = asked.user();
+        tracing::info!(%user, reason = %failure.reason, "fetch failed");
         let charged = blame(failure.kind);
         if charged == Blame::User {
             // Its back-off and `last_error` in one write.
-            self.user_failed(due, &failure).await;
+            self.user_failed(asked, &failure).await;
             return None;
         }
-        // Shown by the resync RPC and `admin stale`.
-        if let Err(e) = self
-            .store
-            .note_fetch_error(&due.user, &failure.reason)
-            .await
+        // Shown by the resync RPC and `admin stale`; a revalidation leaves
+        // the user as it was (SPEC §5.7.3).
+        if let Asked::Stale(_) = asked
+            && let Err(e) = self.store.note_fetch_error(user, &failure.reason).await
         {
             tracing::debug!(error = %e, "cannot record the fetch error");
         }
@@ -359,27 +468,32 @@ impl Fetcher {
         })
     }
 
-    /// No stale user is due: the job is done, or parked until the first
-    /// user's own wait ends. The park is written before looking once more,
-    /// so a user marked stale meanwhile is either seen here or finds the
-    /// job parked and wakes it ([`super::wake`]).
+    /// No stale user or revalidation is due: the job is done, or parked
+    /// until the first user's own wait ends.
     async fn park_or_done(&self, server: &OwnedServerName) -> JobEnd {
-        let now = now_ms();
-        let next = match self.store.next_user_due(server, now).await {
-            Ok(next) => next,
+        match self.store.next_work_due(server, now_ms()).await {
+            Ok(Some(due_ms)) => self.park(server, due_ms, Waiting::AnyWork).await,
+            Ok(None) => JobEnd::Done,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read stale users");
-                return JobEnd::Local;
+                JobEnd::Local
             }
-        };
-        let Some(due_ms) = next else {
-            return JobEnd::Done;
-        };
+        }
+    }
+
+    /// Parks the job until `due_ms`. The park is written before looking
+    /// once more for `waiting`'s work, so work queued meanwhile is either
+    /// seen here or finds the job parked and wakes it ([`super::wake`]).
+    async fn park(&self, server: &OwnedServerName, due_ms: i64, waiting: Waiting) -> JobEnd {
         if let Err(e) = self.store.set_server_wait(server, 0, due_ms, None).await {
             tracing::warn!(error = %e, %server, "cannot park the fetch job");
             return JobEnd::Local;
         }
-        match self.store.has_due_user(server, now_ms()).await {
+        let due = match waiting {
+            Waiting::AnyWork => self.store.has_fetch_work(server, now_ms()).await,
+            Waiting::StaleUsers => self.store.has_due_user(server, now_ms()).await,
+        };
+        match due {
             Ok(false) => JobEnd::Parked(due_ms),
             // Someone became due: run again now rather than park.
             Ok(true) | Err(_) => {
@@ -421,96 +535,27 @@ impl Fetcher {
         (wait, until)
     }
 
-    /// One user's answer was unusable: that user alone backs off.
-    async fn user_failed(&self, due: &DueUser, failure: &FetchFailure) {
-        let failures = due.failures.saturating_add(1);
+    /// One user's answer was unusable: that user alone backs off (its
+    /// stale mark or its queued revalidation keeps the wait).
+    async fn user_failed(&self, asked: Asked<'_>, failure: &FetchFailure) {
+        let failures = asked.failures().saturating_add(1);
         let (_, until) = self.next_attempt(failures, failure.asked);
-        if let Err(e) = self
-            .store
-            .note_user_failure(&due.user, failures, until, &failure.reason)
-            .await
-        {
-            tracing::warn!(error = %e, user = %due.user, "cannot record the user's back-off");
-        }
-    }
-
-    /// Fetches and stores one user.
-    async fn fetch_user(
-        &self,
-        user: &OwnedUserId,
-        mark: &crate::decide::StaleMark,
-    ) -> Result<(), FetchFailure> {
-        let server = user.server_name().as_str();
-        let started = std::time::Instant::now();
-        let answer = self.client.get_devices(user).await;
-        let seconds = started.elapsed().as_secs_f64();
-        let (list, unreadable) = match answer {
-            Ok(answer) => answer,
-            Err(failure) => {
-                self.metrics.fetch(server, failure_label(&failure), seconds);
-                return Err(failure);
+        let user = asked.user();
+        let noted = match asked {
+            Asked::Stale(_) => {
+                self.store
+                    .note_user_failure(user, failures, until, &failure.reason)
+                    .await
+            }
+            Asked::Revalidation(_) => {
+                self.store
+                    .note_revalidation_failure(user, failures, until, &failure.reason)
+                    .await
             }
         };
-        if unreadable > 0 {
-            tracing::warn!(%user, unreadable, "left out unreadable device entries");
+        if let Err(e) = noted {
+            tracing::warn!(error = %e, %user, "cannot record the user's back-off");
         }
-        let written = self
-            .writer
-            .store(FetchedUser {
-                user: user.clone(),
-                stale_at_start: Some(mark.clone()),
-                list,
-            })
-            .await;
-        let plan = match written {
-            Written::Stored(plan) => plan,
-            Written::Refused(FetchRefusal::Untracked) => {
-                // Shares no room any more: nothing to store, nothing failed.
-                self.metrics.fetch(server, "untracked", seconds);
-                return Ok(());
-            }
-            Written::Refused(refusal) => {
-                self.metrics.fetch(server, "user_mismatch", seconds);
-                return Err(FetchFailure::new(
-                    FailureKind::WrongUser,
-                    format!("answer refused: {refusal:?}"),
-                ));
-            }
-            Written::Failed(e) => {
-                return Err(FetchFailure::new(FailureKind::Local, e.to_string()));
-            }
-        };
-        self.metrics.fetch(
-            server,
-            if plan.too_many_devices.is_some() {
-                "too_many_devices"
-            } else {
-                "stored"
-            },
-            seconds,
-        );
-        if !plan.skipped_devices.is_empty() {
-            tracing::warn!(%user, devices = ?plan.skipped_devices, "skipped devices whose keys name another user or device");
-        }
-        if !plan.skipped_keys.is_empty() {
-            tracing::warn!(%user, keys = ?plan.skipped_keys, "ignored malformed cross-signing keys");
-        }
-        if let Some(count) = plan.too_many_devices {
-            tracing::warn!(%user, count, "device list over DLU_MAX_DEVICES not stored");
-        }
-        Ok(())
-    }
-}
-
-/// The metric label of a failed fetch.
-fn failure_label(failure: &FetchFailure) -> &'static str {
-    match (failure.kind, blame(failure.kind)) {
-        (FailureKind::Status(429), _) => "rate_limited",
-        (_, Blame::Server) => "failed",
-        (FailureKind::Status(_), Blame::User) => "refused_by_server",
-        (FailureKind::WrongUser, _) => "user_mismatch",
-        (_, Blame::User) => "unusable_answer",
-        (_, Blame::Local) => "local_error",
     }
 }
 
