@@ -39,6 +39,13 @@
 //!    one process at one partition, `BENCH_ROUNDS` rounds (default 3)
 //!    alternating; per replica its CPU, updates routed and ingested; and
 //!    the routing hop alone (`support/partitions.rs`). Only run when named.
+//! 8. `revalidation`: the worker binary with revalidation off, then on at
+//!    `BENCH_REVALIDATIONS` a second (default 200) over `BENCH_SERVERS`
+//!    (1000) × `BENCH_USERS_PER_SERVER` (100) tracked users whose lists are
+//!    unchanged, the fleet answering in `BENCH_LATENCY_MS` (default 50),
+//!    while ordinary updates flow at `BENCH_RATE` (default 200) a second for
+//!    `BENCH_SECONDS` (default 30): the worker's CPU and RSS and the
+//!    updates' latency (`support/revalidation.rs`). Only run when named.
 
 use std::time::{Duration, Instant};
 
@@ -48,6 +55,8 @@ mod fleet;
 mod outside;
 #[path = "support/partitions.rs"]
 mod partitions;
+#[path = "support/revalidation.rs"]
+mod revalidation;
 
 use async_nats::jetstream::{self, stream};
 use device_list_updater::config::Config;
@@ -787,6 +796,49 @@ impl Latencies {
     }
 }
 
+/// The `revalidation` phase (see the module docs): a table of its own.
+async fn revalidation_phase(nats: &Nats) {
+    let admin = std::env::var("DLU_BENCH_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let settings = revalidation::Settings {
+        servers: env_usize("BENCH_SERVERS", 1000),
+        per_server: env_usize("BENCH_USERS_PER_SERVER", 100),
+        rate: env_usize("BENCH_REVALIDATIONS", 200),
+        latency: Duration::from_millis(env_usize("BENCH_LATENCY_MS", 50) as u64),
+        update_rate: env_usize("BENCH_RATE", 200),
+        seconds: env_usize("BENCH_SECONDS", 30),
+    };
+    let (pg_url, pg_name) = create_postgres_database(&admin, "dlu_bench_revalidation").await;
+    let runs = revalidation::phase(nats, &pg_url, &settings).await;
+    drop_postgres_database(&admin, &pg_name).await;
+    let users = settings.servers * settings.per_server;
+    println!();
+    println!(
+        "| revalidation, PostgreSQL, the worker binary: {users} tracked users on {} servers; updates at {}/s for {} s | revalidations/s | worker CPU (cores) | worker RSS max in window / peak (MiB) | machine busy | update → key change p50 / p99 / max (ms) |",
+        settings.servers, settings.update_rate, settings.seconds
+    );
+    println!("|---|---|---|---|---|---|");
+    for run in runs {
+        println!(
+            "| {} | {:.0} | {:.3} | {:.1} / {:.1} | {:.0} % | {:.1} / {:.1} / {:.1} ({} updates) |",
+            if run.on {
+                format!("on, DLU_REVALIDATE_AFTER={}s", users / settings.rate.max(1))
+            } else {
+                "off (idle but for the updates)".into()
+            },
+            run.revalidations_per_second,
+            run.cpu_cores,
+            run.rss_kib as f64 / 1024.0,
+            run.peak_rss_kib as f64 / 1024.0,
+            run.machine_busy * 100.0,
+            run.latency.p50.as_secs_f64() * 1000.0,
+            run.latency.p99.as_secs_f64() * 1000.0,
+            run.latency.max.as_secs_f64() * 1000.0,
+            run.latency.count
+        );
+    }
+}
+
 /// The `partitions` phase (see the module docs): a table of its own.
 async fn partitions_phase() {
     let admin = std::env::var("DLU_BENCH_PG_URL")
@@ -1003,6 +1055,9 @@ fn main() {
         }
         if named("partitions") {
             partitions_phase().await;
+        }
+        if named("revalidation") {
+            revalidation_phase(&nats).await;
         }
         if runs("sqlite") {
             let dir = tempfile::tempdir().expect("dir");

@@ -215,7 +215,8 @@ pub async fn streams(js: &jetstream::Context) -> Result<Value, AdminError> {
 
 /// Who holds what (SPEC §4.5): the replica consuming each input stream,
 /// the holder of each input partition with the count the stream is routed
-/// with and what waits in its partitions stream, and the live replicas.
+/// with and what waits in its partitions stream, the live replicas, and the
+/// replica pacing revalidations (SPEC §5.7).
 async fn holders(js: &jetstream::Context) -> Value {
     use futures::TryStreamExt as _;
     let Ok(leases) = js.get_key_value(crate::bus::lease::BUCKET).await else {
@@ -228,6 +229,7 @@ async fn holders(js: &jetstream::Context) -> Value {
     let mut inputs = serde_json::Map::new();
     let mut partitions: BTreeMap<String, BTreeMap<u16, String>> = BTreeMap::new();
     let mut replicas = Vec::new();
+    let mut pacer = None;
     for key in keys {
         let Ok(Some(holder)) = leases.get(&key).await else {
             continue;
@@ -245,6 +247,8 @@ async fn holders(js: &jetstream::Context) -> Value {
                 .insert(partition, holder);
         } else if key.starts_with(crate::bus::parts::REPLICA_KEY_PREFIX) {
             replicas.push(holder);
+        } else if key == crate::fetch::revalidate::LEASE_KEY {
+            pacer = Some(holder);
         }
     }
     let counts = crate::bus::parts::counts_bucket(js, 1, false)
@@ -280,7 +284,8 @@ async fn holders(js: &jetstream::Context) -> Value {
         );
     }
     replicas.sort();
-    json!({"input_streams": inputs, "input_partitions": partitioned, "replicas": replicas})
+    json!({"input_streams": inputs, "input_partitions": partitioned, "replicas": replicas,
+           "revalidation_pacer": pacer})
 }
 
 /// Renders a result for people: nested keys as indented lines, and times

@@ -49,11 +49,17 @@ pub fn router(health: Health) -> Router {
 /// timeout, and a probe gives up long before that.
 const READY_PING: std::time::Duration = std::time::Duration::from_secs(2);
 
-async fn ready(State(health): State<Health>) -> (StatusCode, String) {
+/// Whether NATS and the database answer, as `/readyz` and `dlu_ready` say.
+async fn answering(health: &Health) -> (bool, bool) {
     let nats = health.nats.connection_state() == async_nats::connection::State::Connected;
     let db = tokio::time::timeout(READY_PING, health.store.ping())
         .await
         .unwrap_or(false);
+    (nats, db)
+}
+
+async fn ready(State(health): State<Health>) -> (StatusCode, String) {
+    let (nats, db) = answering(&health).await;
     let (status, state) = match (nats, db) {
         (true, true) => (StatusCode::OK, "ready"),
         (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "nats unavailable"),
@@ -77,7 +83,9 @@ async fn metrics(State(health): State<Health>) -> impl axum::response::IntoRespo
         Some(info.num_pending + info.num_ack_pending as u64)
     }
     .await;
+    let (nats, db) = answering(&health).await;
     health.metrics.set_state(crate::metrics::SharedState {
+        ready: Some(nats && db),
         tracked_users: match health.store.membership() {
             true => health.store.tracked_user_count().await.ok(),
             false => None,

@@ -58,6 +58,7 @@ struct Inner {
 
 /// The gauges set at scrape time from the shared state ([`SharedState`]).
 struct Gauges {
+    ready: IntGauge,
     tracked_users: IntGauge,
     stale_users: IntGauge,
     outbox_backlog: IntGauge,
@@ -71,6 +72,11 @@ impl Gauges {
     /// The gauges, registered in `r`.
     fn new(r: &Registry) -> Gauges {
         Gauges {
+            ready: gauge(
+                r,
+                "dlu_ready",
+                "1 while NATS and the database answer (as /readyz), else 0.",
+            ),
             tracked_users: gauge(
                 r,
                 "dlu_tracked_users",
@@ -186,6 +192,8 @@ pub enum PartitionMove {
 /// the gauge keeps its last value).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SharedState {
+    /// NATS and the database answer.
+    pub ready: Option<bool>,
     /// Users sharing a room with us (membership on only).
     pub tracked_users: Option<u64>,
     /// Users marked stale.
@@ -429,6 +437,7 @@ impl Metrics {
                 gauge.set(i64::try_from(v).unwrap_or(i64::MAX));
             }
         };
+        set(&self.inner.gauges.ready, state.ready.map(u64::from));
         set(&self.inner.gauges.tracked_users, state.tracked_users);
         set(&self.inner.gauges.stale_users, state.stale_users);
         set(&self.inner.gauges.outbox_backlog, state.outbox_backlog);
@@ -445,6 +454,30 @@ impl Metrics {
             &self.inner.gauges.revalidations_queued,
             state.revalidations_queued,
         );
+    }
+
+    /// The name of every metric family the worker exports, each family with
+    /// labels given a child first (a family without one is not exported).
+    /// For the tests that check the docs, the dashboard and the alert rules.
+    pub fn family_names() -> Vec<String> {
+        let metrics = Metrics::new();
+        metrics.update("applied");
+        metrics.membership_change("applied");
+        metrics.dead_letter("not_json");
+        metrics.fetch("example.org", "stored", 0.1);
+        metrics.published(1, "update", [0.1]);
+        metrics.revalidation("diverged");
+        metrics.wakeup("user_due");
+        metrics.partition_moved(PartitionMove::Taken);
+        let mut names: Vec<String> = metrics
+            .inner
+            .registry
+            .gather()
+            .iter()
+            .map(|family| family.name().to_owned())
+            .collect();
+        names.sort();
+        names
     }
 
     /// The text exposition of every metric.
@@ -465,18 +498,9 @@ mod tests {
     #[test]
     fn every_metric_is_documented() {
         let doc = include_str!("../docs/metrics.md");
-        let metrics = Metrics::new();
-        // Label-less families only appear once they have a child.
-        metrics.update("applied");
-        metrics.membership_change("applied");
-        metrics.dead_letter("not_json");
-        metrics.fetch("example.org", "stored", 0.1);
-        metrics.published(1, "update", [0.1]);
-        metrics.revalidation("diverged");
-        let families = metrics.inner.registry.gather();
-        assert!(families.len() >= 11, "{} families", families.len());
-        for family in families {
-            let name = family.name();
+        let names = Metrics::family_names();
+        assert!(names.len() >= 24, "{} families", names.len());
+        for name in names {
             assert!(
                 doc.contains(&format!("`{name}`")),
                 "{name} is not in docs/metrics.md"

@@ -128,6 +128,38 @@ async fn admin_commands(backend: Backend) {
         "{stale}"
     );
 
+    // Remote servers, worst first: the failing one (a stale user, backing
+    // off) before the one that answered.
+    let servers = admin_json(&db, &nats, &["servers"]).await;
+    let down = &servers["servers"][0];
+    assert_eq!(down["server_name"], "down.example", "{servers}");
+    assert_eq!(down["stale_users"], 1, "{servers}");
+    assert!(down["failures"].as_i64() >= Some(1), "{servers}");
+    assert!(down["retry_at_ms"].is_i64(), "{servers}");
+    assert!(
+        down["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("502")),
+        "{servers}"
+    );
+    assert_eq!(down["last_success_at_ms"], Value::Null, "{servers}");
+    let remote = &servers["servers"][1];
+    assert_eq!(remote["server_name"], "remote.example", "{servers}");
+    assert_eq!(remote["tracked_users"], 1, "{servers}");
+    assert!(remote["last_success_at_ms"].is_i64(), "{servers}");
+    assert_eq!(remote["divergences"], 0, "{servers}");
+    assert_eq!(servers["stale_users"], 1, "{servers}");
+    let (ok, text) = admin(&db, &nats, &["servers"]).await;
+    for line in [
+        "server_name: down.example",
+        "server_name: remote.example",
+        "last_success_at: ",
+        "retry_at: ",
+        "divergences: 0",
+    ] {
+        assert!(ok && text.contains(line), "{line:?} not in\n{text}");
+    }
+
     let streams = admin_json(&db, &nats, &["streams"]).await;
     assert_eq!(streams["DEVICE_LIST_INPUT"]["exists"], true);
     assert_eq!(

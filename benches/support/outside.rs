@@ -114,6 +114,19 @@ impl Worker {
         Worker { child, pid }
     }
 
+    /// The resident set now (`VmRSS`), in KiB.
+    pub(super) fn rss_kib(&self) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.pid))
+            .ok()
+            .and_then(|status| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
     /// Peak RSS and CPU time so far, from `/proc`.
     pub(super) fn usage(&self) -> (u64, Duration) {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).expect("status");

@@ -333,6 +333,19 @@ impl Store {
             .await
     }
 
+    /// `server` failed: its queued revalidations that hold no back-off of
+    /// their own are dropped, to be picked again, at the pacer's rate, once
+    /// its back-off is over. Kept, they would all be asked for at once when
+    /// it answers again (a burst after an outage, SPEC §5.7.1).
+    pub async fn drop_server_revalidations(&self, server: &ServerName) -> Result<u64, DbErr> {
+        let result = revalidation::Entity::delete_many()
+            .filter(revalidation::Column::ServerName.eq(server.as_str()))
+            .filter(revalidation::Column::Failures.eq(0))
+            .exec(&self.db)
+            .await?;
+        Ok(result.rows_affected)
+    }
+
     /// Revalidations queued now (for `/metrics`).
     pub async fn queued_revalidation_count(&self) -> Result<u64, DbErr> {
         revalidation::Entity::find().count(&self.db).await

@@ -262,6 +262,12 @@ where
     }
 }
 
+/// The name of every metric family the worker exports (for the tests of
+/// the docs, the dashboard and the alert rules).
+pub fn metric_family_names() -> Vec<String> {
+    crate::metrics::Metrics::family_names()
+}
+
 #[cfg(test)]
 mod tests {
     use super::member_key_in;

@@ -513,6 +513,9 @@ impl Fetcher {
     ) -> JobEnd {
         let failures = failures.saturating_add(1);
         let (wait, until) = self.next_attempt(failures, failure.asked);
+        if let Err(e) = self.store.drop_server_revalidations(server).await {
+            tracing::debug!(error = %e, %server, "cannot drop the server's queued revalidations");
+        }
         if let Err(e) = self
             .store
             .set_server_wait(server, failures, until, Some(&failure.reason))
