@@ -12,7 +12,9 @@ use std::collections::BTreeMap;
 
 use entity::{fetch_server, remote_server, remote_user, revalidation, stale_user};
 use ruma::{OwnedServerName, OwnedUserId, ServerName, UserId};
-use sea_orm::sea_query::{Alias, Expr, ExprTrait as _, OnConflict, Query, SelectStatement};
+use sea_orm::sea_query::{
+    Alias, Expr, ExprTrait as _, IntoColumnRef, IntoTableRef, OnConflict, Query, SelectStatement,
+};
 use sea_orm::{
     ActiveValue::Set, ColumnTrait, ConnectionTrait, DbErr, EntityTrait, FromQueryResult,
     PaginatorTrait, QueryFilter, QueryOrder, QuerySelect,
@@ -158,52 +160,29 @@ impl Store {
                 Expr::col((remote_user::Entity, remote_user::Column::FetchedAtMs))
                     .lte(fetched_before_ms),
             )
-            .and_where(
-                Expr::exists(
-                    Query::select()
-                        .expr(Expr::val(1))
-                        .from(stale_user::Entity)
-                        .and_where(
-                            Expr::col((stale_user::Entity, stale_user::Column::UserId))
-                                .equals(user),
-                        )
-                        .to_owned(),
+            .and_where(none_of(rows_where(
+                stale_user::Entity,
+                (stale_user::Entity, stale_user::Column::UserId),
+                user,
+            )))
+            .and_where(none_of(rows_where(
+                revalidation::Entity,
+                (revalidation::Entity, revalidation::Column::UserId),
+                user,
+            )))
+            .and_where(none_of(
+                rows_where(
+                    fetch_server::Entity,
+                    (fetch_server::Entity, fetch_server::Column::ServerName),
+                    server,
                 )
-                .not(),
-            )
-            .and_where(
-                Expr::exists(
-                    Query::select()
-                        .expr(Expr::val(1))
-                        .from(revalidation::Entity)
-                        .and_where(
-                            Expr::col((revalidation::Entity, revalidation::Column::UserId))
-                                .equals(user),
-                        )
-                        .to_owned(),
+                .and_where(Expr::col((fetch_server::Entity, fetch_server::Column::Failures)).gt(0))
+                .and_where(
+                    Expr::col((fetch_server::Entity, fetch_server::Column::NextAttemptMs))
+                        .gt(now_ms),
                 )
-                .not(),
-            )
-            .and_where(
-                Expr::exists(
-                    Query::select()
-                        .expr(Expr::val(1))
-                        .from(fetch_server::Entity)
-                        .and_where(
-                            Expr::col((fetch_server::Entity, fetch_server::Column::ServerName))
-                                .equals(server),
-                        )
-                        .and_where(
-                            Expr::col((fetch_server::Entity, fetch_server::Column::Failures)).gt(0),
-                        )
-                        .and_where(
-                            Expr::col((fetch_server::Entity, fetch_server::Column::NextAttemptMs))
-                                .gt(now_ms),
-                        )
-                        .to_owned(),
-                )
-                .not(),
-            )
+                .to_owned(),
+            ))
             .order_by(
                 (remote_user::Entity, remote_user::Column::FetchedAtMs),
                 sea_orm::Order::Asc,
@@ -232,19 +211,11 @@ impl Store {
         let mut query = revalidation::Entity::find()
             .filter(revalidation::Column::ServerName.eq(server.as_str()))
             .filter(revalidation::Column::NextAttemptMs.lte(now_ms))
-            .filter(
-                Expr::exists(
-                    Query::select()
-                        .expr(Expr::val(1))
-                        .from(stale_user::Entity)
-                        .and_where(
-                            Expr::col((stale_user::Entity, stale_user::Column::UserId))
-                                .equals(user),
-                        )
-                        .to_owned(),
-                )
-                .not(),
-            );
+            .filter(none_of(rows_where(
+                stale_user::Entity,
+                (stale_user::Entity, stale_user::Column::UserId),
+                user,
+            )));
         if self.membership() {
             query = query.filter(super::sharing::shares_now(user));
         }
@@ -413,6 +384,24 @@ impl Store {
         });
         Ok(servers)
     }
+}
+
+/// `SELECT 1 FROM table WHERE column = equals`.
+fn rows_where(
+    table: impl IntoTableRef,
+    column: impl IntoColumnRef,
+    equals: impl IntoColumnRef,
+) -> SelectStatement {
+    Query::select()
+        .expr(Expr::val(1))
+        .from(table)
+        .and_where(Expr::col(column).equals(equals))
+        .to_owned()
+}
+
+/// No row of `rows` exists.
+fn none_of(rows: SelectStatement) -> Expr {
+    Expr::exists(rows).not()
 }
 
 /// Rows of `E` per server.
