@@ -459,6 +459,7 @@ impl Metrics {
     /// The name of every metric family the worker exports, each family with
     /// labels given a child first (a family without one is not exported).
     /// For the tests that check the docs, the dashboard and the alert rules.
+    #[cfg(any(test, feature = "testkit"))]
     pub fn family_names() -> Vec<String> {
         let metrics = Metrics::new();
         metrics.update("applied");
