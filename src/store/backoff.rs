@@ -3,12 +3,12 @@
 //! users' waits and its own row (one job per server at a time, across
 //! replicas); a wake-up changes the row only by compare-and-set.
 
-use entity::{fetch_server, stale_user};
+use entity::{fetch_server, revalidation, stale_user};
 use ruma::{OwnedUserId, ServerName, UserId};
-use sea_orm::sea_query::{Expr, OnConflict};
+use sea_orm::sea_query::{Alias, Expr, ExprTrait as _, OnConflict, Query};
 use sea_orm::{
-    ActiveValue::Set, ColumnTrait, DbErr, EntityTrait, PaginatorTrait, QueryFilter, QueryOrder,
-    QuerySelect,
+    ActiveValue::Set, ColumnTrait, DbErr, EntityTrait, FromQueryResult, PaginatorTrait,
+    QueryFilter, QueryOrder, QuerySelect, QueryTrait as _,
 };
 
 use super::Store;
@@ -29,6 +29,19 @@ pub struct DueUser {
 /// A server's fetch state as stored (None in the API: nothing to wait for).
 pub type ServerWait = fetch_server::Model;
 
+/// [`Store::has_fetch_work`]'s answer.
+#[derive(FromQueryResult)]
+struct WorkRow {
+    work: bool,
+}
+
+/// [`Store::next_work_due`]'s answer: the first wait end of each kind.
+#[derive(FromQueryResult)]
+struct DueRow {
+    stale: Option<i64>,
+    revalidation: Option<i64>,
+}
+
 impl Store {
     /// The stale users a fetch may ask for: all of them, or with membership
     /// on only those who share a room with us now (SPEC §5.2, §5.5.9). The
@@ -43,6 +56,12 @@ impl Store {
         }
     }
 
+    /// [`Store::fetchable_stale_users`] of `server`.
+    fn server_stale_users(&self, server: &ServerName) -> sea_orm::Select<stale_user::Entity> {
+        self.fetchable_stale_users()
+            .filter(stale_user::Column::ServerName.eq(server.as_str()))
+    }
+
     /// Stale users of `server` that may be fetched at `now_ms` (their own
     /// wait is over), oldest mark first, at most `limit`.
     pub async fn due_stale_users(
@@ -52,8 +71,7 @@ impl Store {
         limit: u64,
     ) -> Result<Vec<DueUser>, DbErr> {
         let rows = self
-            .fetchable_stale_users()
-            .filter(stale_user::Column::ServerName.eq(server.as_str()))
+            .server_stale_users(server)
             .filter(stale_user::Column::NextAttemptMs.lte(now_ms))
             .order_by_asc(stale_user::Column::MarkedAtMs)
             .order_by_asc(stale_user::Column::UserId)
@@ -73,46 +91,67 @@ impl Store {
             .collect())
     }
 
-    /// When the first stale user of `server` whose own wait is not over at
-    /// `now_ms` becomes due (None: no such user).
-    pub async fn next_user_due(
-        &self,
-        server: &ServerName,
-        now_ms: i64,
-    ) -> Result<Option<i64>, DbErr> {
-        self.fetchable_stale_users()
-            .select_only()
-            .column_as(stale_user::Column::NextAttemptMs.min(), "due")
-            .filter(stale_user::Column::ServerName.eq(server.as_str()))
-            .filter(stale_user::Column::NextAttemptMs.gt(now_ms))
-            .into_tuple::<Option<i64>>()
-            .one(&self.db)
-            .await
-            .map(Option::flatten)
-    }
-
     /// Whether `server` has a stale user that may be fetched at `now_ms`.
     pub async fn has_due_user(&self, server: &ServerName, now_ms: i64) -> Result<bool, DbErr> {
         Ok(!self.due_stale_users(server, now_ms, 1).await?.is_empty())
     }
 
     /// Whether `server`'s job has work at `now_ms`: a stale user or a
-    /// queued revalidation (SPEC §5.7) whose own wait is over.
+    /// queued revalidation (SPEC §5.7) whose own wait is over. One
+    /// statement: a job asks this after every request it ends on.
     pub async fn has_fetch_work(&self, server: &ServerName, now_ms: i64) -> Result<bool, DbErr> {
-        Ok(self.has_due_user(server, now_ms).await?
-            || !self.due_revalidations(server, now_ms, 1).await?.is_empty())
+        let stale = self
+            .server_stale_users(server)
+            .select_only()
+            .expr(Expr::val(1))
+            .filter(stale_user::Column::NextAttemptMs.lte(now_ms))
+            .into_query();
+        let revalidations = self
+            .runnable_revalidations(server)
+            .select_only()
+            .expr(Expr::val(1))
+            .filter(revalidation::Column::NextAttemptMs.lte(now_ms))
+            .into_query();
+        let query = Query::select()
+            .expr_as(
+                Expr::exists(stale).or(Expr::exists(revalidations)),
+                Alias::new("work"),
+            )
+            .to_owned();
+        let row = WorkRow::find_by_statement(self.db.get_database_backend().build(&query))
+            .one(&self.db)
+            .await?;
+        Ok(row.is_some_and(|row| row.work))
     }
 
     /// When `server`'s job next has work, of the stale users and queued
     /// revalidations still in their own waits at `now_ms` (None: none).
+    /// One statement.
     pub async fn next_work_due(
         &self,
         server: &ServerName,
         now_ms: i64,
     ) -> Result<Option<i64>, DbErr> {
-        let user = self.next_user_due(server, now_ms).await?;
-        let revalidation = self.next_revalidation_due(server, now_ms).await?;
-        Ok(user.into_iter().chain(revalidation).min())
+        let stale = self
+            .server_stale_users(server)
+            .select_only()
+            .column_as(stale_user::Column::NextAttemptMs.min(), "due")
+            .filter(stale_user::Column::NextAttemptMs.gt(now_ms))
+            .into_query();
+        let revalidations = self
+            .runnable_revalidations(server)
+            .select_only()
+            .column_as(revalidation::Column::NextAttemptMs.min(), "due")
+            .filter(revalidation::Column::NextAttemptMs.gt(now_ms))
+            .into_query();
+        let query = Query::select()
+            .expr_as(stale, Alias::new("stale"))
+            .expr_as(revalidations, Alias::new("revalidation"))
+            .to_owned();
+        let row = DueRow::find_by_statement(self.db.get_database_backend().build(&query))
+            .one(&self.db)
+            .await?;
+        Ok(row.and_then(|row| row.stale.into_iter().chain(row.revalidation).min()))
     }
 
     /// Records `user`'s own failure: `failures` in a row now, not to be

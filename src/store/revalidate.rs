@@ -197,29 +197,41 @@ impl Store {
         due
     }
 
-    /// Queued revalidations of `server` that may run at `now_ms`, oldest
-    /// first, at most `limit`: not of a stale user (its own fetch comes
-    /// first and ends the revalidation), and with membership on only of
-    /// users sharing a room with us now.
+    /// Queued revalidations of `server` that a job may send once their own
+    /// wait is over: not of a stale user (its own fetch comes first and ends
+    /// the revalidation), and with membership on only of users sharing a
+    /// room with us now.
+    pub(super) fn runnable_revalidations(
+        &self,
+        server: &ServerName,
+    ) -> sea_orm::Select<revalidation::Entity> {
+        let user = (revalidation::Entity, revalidation::Column::UserId);
+        let query = revalidation::Entity::find()
+            .filter(revalidation::Column::ServerName.eq(server.as_str()))
+            .filter(none_of(rows_where(
+                stale_user::Entity,
+                (stale_user::Entity, stale_user::Column::UserId),
+                user,
+            )));
+        match self.membership() {
+            true => query.filter(super::sharing::shares_now(user)),
+            false => query,
+        }
+    }
+
+    /// Queued revalidations of `server` that may run at `now_ms` (their own
+    /// wait is over; not of a stale user, whose own fetch comes first; with
+    /// membership on, of users sharing a room with us now), oldest first,
+    /// at most `limit`.
     pub async fn due_revalidations(
         &self,
         server: &ServerName,
         now_ms: i64,
         limit: u64,
     ) -> Result<Vec<DueRevalidation>, DbErr> {
-        let user = (revalidation::Entity, revalidation::Column::UserId);
-        let mut query = revalidation::Entity::find()
-            .filter(revalidation::Column::ServerName.eq(server.as_str()))
+        let rows = self
+            .runnable_revalidations(server)
             .filter(revalidation::Column::NextAttemptMs.lte(now_ms))
-            .filter(none_of(rows_where(
-                stale_user::Entity,
-                (stale_user::Entity, stale_user::Column::UserId),
-                user,
-            )));
-        if self.membership() {
-            query = query.filter(super::sharing::shares_now(user));
-        }
-        let rows = query
             .order_by_asc(revalidation::Column::QueuedAtMs)
             .order_by_asc(revalidation::Column::UserId)
             .limit(limit)
@@ -234,24 +246,6 @@ impl Store {
                 })
             })
             .collect())
-    }
-
-    /// When the first queued revalidation of `server` still in its own wait
-    /// at `now_ms` becomes due (None: none is waiting).
-    pub async fn next_revalidation_due(
-        &self,
-        server: &ServerName,
-        now_ms: i64,
-    ) -> Result<Option<i64>, DbErr> {
-        revalidation::Entity::find()
-            .select_only()
-            .column_as(revalidation::Column::NextAttemptMs.min(), "due")
-            .filter(revalidation::Column::ServerName.eq(server.as_str()))
-            .filter(revalidation::Column::NextAttemptMs.gt(now_ms))
-            .into_tuple::<Option<i64>>()
-            .one(&self.db)
-            .await
-            .map(Option::flatten)
     }
 
     /// Records an unusable answer to `user`'s revalidation: `failures` in a
