@@ -98,7 +98,7 @@ impl Store {
 
     /// Whether `server`'s job has work at `now_ms`: a stale user or a
     /// queued revalidation (SPEC §5.7) whose own wait is over. One
-    /// statement: a job asks this after every request it ends on.
+    /// statement: every job asks it when it ends or parks.
     pub async fn has_fetch_work(&self, server: &ServerName, now_ms: i64) -> Result<bool, DbErr> {
         let stale = self
             .server_stale_users(server)
