@@ -46,6 +46,9 @@
 //!    while ordinary updates flow at `BENCH_RATE` (default 200) a second for
 //!    `BENCH_SECONDS` (default 30): the worker's CPU and RSS and the
 //!    updates' latency (`support/revalidation.rs`). Only run when named.
+//! 9. `scale`: the cost as tracked users grow to a million: ingest, steady
+//!    latency, the query RPC, admin commands, start-up and peak RSS at each
+//!    size of `BENCH_SCALE_SIZES` (`support/scale.rs`). Only run when named.
 
 use std::time::{Duration, Instant};
 
@@ -57,6 +60,8 @@ mod outside;
 mod partitions;
 #[path = "support/revalidation.rs"]
 mod revalidation;
+#[path = "support/scale.rs"]
+mod scale;
 
 use async_nats::jetstream::{self, stream};
 use device_list_updater::config::Config;
@@ -1058,6 +1063,9 @@ fn main() {
         }
         if named("revalidation") {
             revalidation_phase(&nats).await;
+        }
+        if named("scale") {
+            scale::phase(&nats).await;
         }
         if runs("sqlite") {
             let dir = tempfile::tempdir().expect("dir");

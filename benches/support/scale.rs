@@ -1,0 +1,723 @@
+//! The `scale` phase: what the worker costs as the number of tracked users
+//! grows. For each size of `BENCH_SCALE_SIZES` (default 10000, 100000,
+//! 1000000) a database on a private PostgreSQL instance is filled by SQL
+//! with that many tracked users (2 devices each with realistic keys,
+//! cross-signing keys for every third user, on size / 100 servers), in the
+//! rows the worker itself writes for a fetched list (checked: the users a
+//! start-up fetches are stored exactly as the fill wrote them). Then,
+//! `BENCH_SCALE_RUNS` (3) runs each of:
+//!
+//! - ingest: `BENCH_SCALE_UPDATES` (100000) chained updates spread over all
+//!   users, published while the worker binary is stopped; start → every key
+//!   change in `KEY_CHANGE`; the worker's CPU per update;
+//! - latency: updates at a steady `BENCH_SCALE_RATE` (2000) a second for
+//!   `BENCH_SCALE_SECONDS` (10), publish → key change, p50 and p99;
+//! - the query RPC for 100 users spread over the table (median of 5);
+//! - the worker's peak RSS over the run;
+//! - `admin stale`, `admin user` and `admin untrack-unshared` (a dry run,
+//!   membership on), each the binary from exec to exit;
+//! - start-up with 1 % of the users stale (their lists lost): start → `/readyz`
+//!   ready, → the query RPC answering, → every stale user fetched from a
+//!   mock fleet (X-Matrix checked).
+//!
+//! `BENCH_SCALE_CSV=path` writes every figure as `size,run,metric,value`
+//! (`scripts/plot-scale` draws them). `BENCH_SCALE_EXPLAIN=on` then turns
+//! on `auto_explain` for the largest size's database, runs each workload
+//! once more, and prints every distinct statement with the scans its plan
+//! used, marking a sequential scan of a table that grows with the users.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use device_list_updater::testkit::postgres::PrivatePostgres;
+use device_list_updater::testkit::remote::{MockFederation, Reply};
+use device_list_updater::testkit::{
+    Nats, create_input_stream, create_postgres_database, stream_len, wait_for,
+};
+use sea_orm::{ConnectionTrait, DatabaseConnection};
+
+use super::outside::{Worker, key_file};
+use super::{Latencies, fresh_streams, key_changes_seen, latencies_once_seen, publish_all};
+
+/// The settings of the phase.
+struct Settings {
+    sizes: Vec<usize>,
+    runs: usize,
+    updates: usize,
+    rate: usize,
+    seconds: usize,
+    csv: Option<String>,
+    explain: bool,
+}
+
+impl Settings {
+    fn from_env() -> Settings {
+        let var = |key: &str| std::env::var(key).ok();
+        let number = |key: &str, default: usize| {
+            var(key)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(default)
+        };
+        Settings {
+            sizes: var("BENCH_SCALE_SIZES")
+                .unwrap_or_else(|| "10000,100000,1000000".into())
+                .split(',')
+                .filter_map(|s| s.trim().parse().ok())
+                .collect(),
+            runs: number("BENCH_SCALE_RUNS", 3),
+            updates: number("BENCH_SCALE_UPDATES", 100_000),
+            rate: number("BENCH_SCALE_RATE", 2_000),
+            seconds: number("BENCH_SCALE_SECONDS", 10),
+            csv: var("BENCH_SCALE_CSV"),
+            explain: var("BENCH_SCALE_EXPLAIN").as_deref() == Some("on"),
+        }
+    }
+}
+
+/// Tables whose rows grow with the tracked users (or their rooms): a
+/// sequential scan of one of these on a hot path grows with them.
+const GROWING_TABLES: &[&str] = &[
+    "remote_user",
+    "remote_device",
+    "cross_signing_key",
+    "stale_user",
+    "revalidation",
+    "shared_user",
+    "room_user",
+    "room_member",
+    "member_key_link",
+];
+
+/// Users per server in the fill.
+const USERS_PER_SERVER: usize = 100;
+
+/// The `u`th user of a fill of `size` users.
+fn user(u: usize, size: usize) -> String {
+    format!("@user{u}:server{}.example", u % servers(size))
+}
+
+fn servers(size: usize) -> usize {
+    (size / USERS_PER_SERVER).max(1)
+}
+
+/// The same user id as SQL over an integer expression `u`.
+fn user_sql(u: &str, size: usize) -> String {
+    format!(
+        "'@user' || {u} || ':server' || ({u} % {}) || '.example'",
+        servers(size)
+    )
+}
+
+/// Whether the `u`th user is one of the 1 % a start-up finds stale.
+fn is_stale(u: usize) -> bool {
+    u % 100 == 50
+}
+
+/// Whether the `u`th user has cross-signing keys.
+fn has_cross_signing(u: usize) -> bool {
+    u % 3 == 0
+}
+
+const CURVE: &str = "3C5BFWi2Y8MaVvjM8M22DBmh24PmgR0nPvJOIArzgyI";
+const ED: &str = "lEuiRJBit0IG6nUf5pUzWTUEsRVVe/HJkoKuEww9ULI";
+const MASTER: &str = "nqOvzeuGWT/sRx3h7+MHoInYj3Uk2LD/unI9kDYcHwk";
+const SELF_SIGNING: &str = "EmkqvokUn8p+vQAGZitOk4PWjp7Ukp3txV2TbMPEiBQ";
+const SIGNATURE: &str =
+    "FLWxXqGbwrb8SM3Y795eB6OA8bwBcoMZFXBqnTn58AYWZSqiD45tlBVcDa2L7RwdKXebW/VzDlnfVJ+9jok1Bw";
+
+/// A device's keys as the fleet answers them (the fill's
+/// [`device_keys_sql`] writes the same JSON).
+fn device_keys(user: &str, device: &str) -> serde_json::Value {
+    serde_json::json!({
+        "user_id": user, "device_id": device,
+        "algorithms": ["m.olm.v1.curve25519-aes-sha2", "m.megolm.v1.aes-sha2"],
+        "keys": {format!("curve25519:{device}"): CURVE, format!("ed25519:{device}"): ED},
+        "signatures": {user: {format!("ed25519:{device}"): SIGNATURE}}
+    })
+}
+
+fn device_keys_sql(user: &str, device: &str) -> String {
+    format!(
+        "json_build_object('user_id', {user}, 'device_id', {device}, \
+         'algorithms', json_build_array('m.olm.v1.curve25519-aes-sha2', 'm.megolm.v1.aes-sha2'), \
+         'keys', json_build_object('curve25519:' || {device}, '{CURVE}', 'ed25519:' || {device}, '{ED}'), \
+         'signatures', json_build_object({user}, json_build_object('ed25519:' || {device}, '{SIGNATURE}')))::text"
+    )
+}
+
+/// A cross-signing key (`master` or `self_signing`) as the fleet answers it.
+fn cross_signing_key(user: &str, usage: &str) -> serde_json::Value {
+    let (key, signer) = if usage == "master" {
+        (MASTER, "DEVICE0")
+    } else {
+        (SELF_SIGNING, MASTER)
+    };
+    serde_json::json!({
+        "user_id": user, "usage": [usage], "keys": {format!("ed25519:{key}"): key},
+        "signatures": {user: {format!("ed25519:{signer}"): SIGNATURE}}
+    })
+}
+
+fn cross_signing_key_sql(user: &str, usage: &str) -> String {
+    format!(
+        "json_build_object('user_id', {user}, 'usage', json_build_array({usage}), \
+         'keys', json_build_object('ed25519:' || (CASE WHEN {usage} = 'master' THEN '{MASTER}' ELSE '{SELF_SIGNING}' END), \
+                                   CASE WHEN {usage} = 'master' THEN '{MASTER}' ELSE '{SELF_SIGNING}' END), \
+         'signatures', json_build_object({user}, json_build_object('ed25519:' || \
+             (CASE WHEN {usage} = 'master' THEN 'DEVICE0' ELSE '{MASTER}' END), '{SIGNATURE}')))::text"
+    )
+}
+
+/// The devices every user has: (id, display name).
+const DEVICES: [(&str, &str); 2] = [("DEVICE0", "Phone"), ("DEVICE1", "Laptop")];
+
+/// The fleet's answer for the `u`th user.
+fn device_list(u: usize, size: usize) -> serde_json::Value {
+    let user = user(u, size);
+    let devices: Vec<_> = DEVICES
+        .iter()
+        .map(|(device, name)| {
+            serde_json::json!({"device_id": device, "device_display_name": name,
+                               "keys": device_keys(&user, device)})
+        })
+        .collect();
+    let mut list = serde_json::json!({"user_id": user, "stream_id": 1, "devices": devices});
+    if has_cross_signing(u) {
+        list["master_key"] = cross_signing_key(&user, "master");
+        list["self_signing_key"] = cross_signing_key(&user, "self_signing");
+    }
+    list
+}
+
+/// Fills the (migrated) database with `size` users, as fetched now.
+async fn fill(db: &DatabaseConnection, size: usize) {
+    let now = device_list_updater::store::now_ms();
+    let user = user_sql("u", size);
+    let server = format!("'server' || (u % {}) || '.example'", servers(size));
+    let statements = [
+        format!(
+            "INSERT INTO remote_user (user_id, server_name, known_stream_ids, max_stream_id, \
+             fetched_stream_id, fetched_at_ms) \
+             SELECT {user}, {server}, '[0]', 0, 0, {now} FROM generate_series(0, {}) u",
+            size - 1
+        ),
+        format!(
+            "INSERT INTO remote_device (user_id, device_id, display_name, keys_json, stream_id, deleted) \
+             SELECT r.user_id, d.id, d.name, {}, 0, false FROM remote_user r \
+             CROSS JOIN (VALUES ('DEVICE0', 'Phone'), ('DEVICE1', 'Laptop')) AS d(id, name)",
+            device_keys_sql("r.user_id", "d.id")
+        ),
+        format!(
+            "INSERT INTO cross_signing_key (user_id, key_usage, key_json) \
+             SELECT {user}, k.usage, {} FROM generate_series(0, {}, 3) u \
+             CROSS JOIN (VALUES ('master'), ('self_signing')) AS k(usage)",
+            cross_signing_key_sql(&user, "k.usage"),
+            size - 1
+        ),
+        "ANALYZE".into(),
+    ];
+    for statement in statements {
+        db.execute_unprepared(&statement).await.expect("fill");
+    }
+    let counts = [
+        ("remote_user", size),
+        ("remote_device", 2 * size),
+        ("cross_signing_key", 2 * size.div_ceil(3)),
+    ];
+    for (table, expected) in counts {
+        assert_eq!(count(db, &format!("SELECT count(*) FROM {table}")).await, expected as i64);
+    }
+}
+
+async fn count(db: &DatabaseConnection, sql: &str) -> i64 {
+    let row = db
+        .query_one_raw(sea_orm::Statement::from_string(
+            db.get_database_backend(),
+            sql,
+        ))
+        .await
+        .expect("query")
+        .expect("a row");
+    row.try_get_by_index::<i64>(0).expect("a count")
+}
+
+/// Makes the 1 % stale as if their lists were lost: devices and keys gone,
+/// each marked stale.
+async fn lose_lists(db: &DatabaseConnection, size: usize) {
+    let now = device_list_updater::store::now_ms();
+    let stale_users = format!(
+        "SELECT {} AS user_id, 'server' || (u % {}) || '.example' AS server_name \
+         FROM generate_series(50, {}, 100) u",
+        user_sql("u", size),
+        servers(size),
+        size.saturating_sub(1)
+    );
+    for statement in [
+        format!("DELETE FROM remote_device WHERE user_id IN (SELECT user_id FROM ({stale_users}) s)"),
+        format!("DELETE FROM cross_signing_key WHERE user_id IN (SELECT user_id FROM ({stale_users}) s)"),
+        format!(
+            "INSERT INTO stale_user (user_id, server_name, marked_at_ms, trigger_stream_ids, \
+             last_error, failures, next_attempt_ms) \
+             SELECT user_id, server_name, {now}, '[]', NULL, 0, 0 FROM ({stale_users}) s \
+             ON CONFLICT DO NOTHING"
+        ),
+    ] {
+        db.execute_unprepared(&statement).await.expect("lose lists");
+    }
+}
+
+/// Checks that the lists a start-up fetched are stored exactly as the fill
+/// writes them: the fill's rows are the worker's own.
+async fn check_fill_matches_fetch(db: &DatabaseConnection, size: usize) {
+    let stale = (50..size).step_by(100).count() as i64;
+    let users = format!(
+        "SELECT {} AS user_id, u FROM generate_series(50, {}, 100) u",
+        user_sql("u", size),
+        size.saturating_sub(1)
+    );
+    let devices = count(
+        db,
+        &format!(
+            "SELECT count(*) FROM remote_device d JOIN ({users}) s ON s.user_id = d.user_id \
+             WHERE d.keys_json::jsonb = ({})::jsonb AND NOT d.deleted \
+             AND d.display_name = CASE d.device_id WHEN 'DEVICE0' THEN 'Phone' ELSE 'Laptop' END",
+            device_keys_sql("d.user_id", "d.device_id")
+        ),
+    )
+    .await;
+    assert_eq!(devices, 2 * stale, "fetched devices stored as the fill writes them");
+    let keys = count(
+        db,
+        &format!(
+            "SELECT count(*) FROM cross_signing_key k JOIN ({users}) s ON s.user_id = k.user_id \
+             WHERE k.key_json::jsonb = ({})::jsonb",
+            cross_signing_key_sql("k.user_id", "k.key_usage")
+        ),
+    )
+    .await;
+    let with_keys = (50..size).step_by(100).filter(|u| has_cross_signing(*u)).count() as i64;
+    assert_eq!(keys, 2 * with_keys, "fetched cross-signing keys stored as the fill writes them");
+}
+
+/// The figures of one size, by metric, one value per run.
+type Figures = BTreeMap<&'static str, Vec<f64>>;
+
+/// Runs the phase and prints its table.
+pub async fn phase(nats: &Nats) {
+    let settings = Settings::from_env();
+    let pg = PrivatePostgres::start();
+    let mut all: Vec<(usize, Figures)> = Vec::new();
+    let mut csv = String::from("size,run,metric,value\n");
+    for (i, &size) in settings.sizes.iter().enumerate() {
+        let (url, _) = create_postgres_database(&pg.url, &format!("dlu_scale_{size}")).await;
+        let mut at = Size::new(nats, &url, size).await;
+        let figures = at.measure(&settings).await;
+        for (metric, values) in &figures {
+            for (run, value) in values.iter().enumerate() {
+                let _ = writeln!(csv, "{size},{run},{metric},{value}");
+            }
+        }
+        all.push((size, figures));
+        if settings.explain && i + 1 == settings.sizes.len() {
+            at.explain(&pg).await;
+        }
+    }
+    print_table(&all);
+    if let Some(path) = &settings.csv {
+        std::fs::write(path, csv).expect("write the CSV");
+    }
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn print_table(all: &[(usize, Figures)]) {
+    let Some((_, first)) = all.first() else {
+        return;
+    };
+    print!("\n| figure (median of runs; min–max) |");
+    for (size, _) in all {
+        print!(" {size} users |");
+    }
+    print!("\n|---|");
+    for _ in all {
+        print!("---|");
+    }
+    println!();
+    for metric in first.keys() {
+        print!("| {metric} |");
+        for (_, figures) in all {
+            let values = figures.get(metric).map(Vec::as_slice).unwrap_or_default();
+            let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+            let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            print!(" {:.1} ({min:.1}–{max:.1}) |", median(values));
+        }
+        println!();
+    }
+}
+
+/// One size's database and what has been published to it.
+struct Size<'a> {
+    nats: &'a Nats,
+    url: String,
+    size: usize,
+    db: DatabaseConnection,
+    key_path: std::path::PathBuf,
+    fleet: MockFederation,
+    overrides: String,
+    /// Updates published so far: update `g` is the `u = g % size`th user's
+    /// number `1 + g / size`, chained on the one before.
+    published: usize,
+    _dir: tempfile::TempDir,
+}
+
+impl<'a> Size<'a> {
+    async fn new(nats: &'a Nats, url: &str, size: usize) -> Size<'a> {
+        let store = device_list_updater::worker::open_store(url, Duration::from_secs(10))
+            .await
+            .expect("db");
+        let db = store.connection().clone();
+        let started = Instant::now();
+        fill(&db, size).await;
+        eprintln!("scale: {size} users filled in {:.1} s", started.elapsed().as_secs_f64());
+        let js = nats.js().await;
+        fresh_streams(&js).await;
+        create_input_stream(&js).await;
+        let dir = tempfile::tempdir().expect("dir");
+        let (key, key_path) = key_file(dir.path());
+        let pair = key.key_pair().expect("key pair");
+        let fleet = MockFederation::start(
+            "our.example",
+            key.version(),
+            pair.public_key(),
+            Duration::from_millis(10),
+        )
+        .await;
+        let mut stale_servers = std::collections::BTreeSet::new();
+        for u in (0..size).filter(|u| is_stale(*u)) {
+            fleet.script(&user(u, size), vec![Reply::Json(device_list(u, size))]);
+            stale_servers.insert(u % servers(size));
+        }
+        let overrides = stale_servers
+            .iter()
+            .map(|s| format!("server{s}.example={}", fleet.base_url()))
+            .collect::<Vec<_>>()
+            .join(",");
+        Size {
+            nats,
+            url: url.to_owned(),
+            size,
+            db,
+            key_path,
+            fleet,
+            overrides,
+            published: 0,
+            _dir: dir,
+        }
+    }
+
+    /// The `g`th update overall (see [`Size::published`]).
+    fn update(&self, g: usize) -> ((String, i64), String) {
+        let (u, round) = (g % self.size, 1 + g / self.size);
+        let name = user(u, self.size);
+        let body = super::realistic_update(&name, round);
+        ((name, round as i64), body)
+    }
+
+    fn start_worker(&self, http: std::net::SocketAddr) -> Worker {
+        Worker::start_with(
+            self.nats,
+            &self.url,
+            &self.key_path,
+            &self.overrides,
+            &[("DLU_HTTP_ADDR", http.to_string())],
+        )
+    }
+
+    async fn measure(&mut self, settings: &Settings) -> Figures {
+        let mut figures = Figures::new();
+        let add = |figures: &mut Figures, metric: &'static str, value: f64| {
+            figures.entry(metric).or_default().push(value);
+        };
+        let js = self.nats.js().await;
+        for _ in 0..settings.runs {
+            let before = stream_len(&js, "KEY_CHANGE").await;
+            let first = self.published;
+            let updates: Vec<String> = (first..first + settings.updates)
+                .map(|g| self.update(g).1)
+                .collect();
+            publish_all(&js, "devicelist.in.update", updates.into_iter()).await;
+            self.published += settings.updates;
+            let started = Instant::now();
+            let worker = self.start_worker(free_addr());
+            let n = settings.updates as u64;
+            wait_for(Duration::from_secs(1200), "all key changes", || async {
+                (stream_len(&js, "KEY_CHANGE").await >= before + n).then_some(())
+            })
+            .await;
+            let elapsed = started.elapsed();
+            let (_, cpu) = worker.usage();
+            add(&mut figures, "ingest: updates/s", n as f64 / elapsed.as_secs_f64());
+            add(
+                &mut figures,
+                "ingest: worker CPU µs/update",
+                cpu.as_secs_f64() * 1e6 / n as f64,
+            );
+            let latency = self.steady(settings.rate, settings.seconds).await;
+            add(&mut figures, "steady: p50 ms", latency.p50.as_secs_f64() * 1e3);
+            add(&mut figures, "steady: p99 ms", latency.p99.as_secs_f64() * 1e3);
+            let mut rpc = Vec::new();
+            for _ in 0..5 {
+                rpc.push(self.query_sample().await.as_secs_f64() * 1e3);
+            }
+            add(&mut figures, "query RPC, 100 users: ms", median(&rpc));
+            let (peak, _) = worker.usage();
+            worker.stop().await;
+            add(&mut figures, "worker peak RSS: MiB", peak as f64 / 1024.0);
+            let some_user = user(self.size / 2 + 1, self.size);
+            for (metric, args) in [
+                ("admin stale: ms", vec!["stale"]),
+                ("admin user: ms", vec!["user", some_user.as_str()]),
+                ("admin untrack-unshared (dry): ms", vec!["untrack-unshared"]),
+            ] {
+                add(&mut figures, metric, self.admin(&args).as_secs_f64() * 1e3);
+            }
+        }
+        for run in 0..settings.runs {
+            let (ready, answering, fetched) = self.start_up().await;
+            add(&mut figures, "start-up, 1 % stale: to ready ms", ready.as_secs_f64() * 1e3);
+            add(
+                &mut figures,
+                "start-up, 1 % stale: to RPC answered ms",
+                answering.as_secs_f64() * 1e3,
+            );
+            add(
+                &mut figures,
+                "start-up, 1 % stale: to all fetched s",
+                fetched.as_secs_f64(),
+            );
+            if run == 0 {
+                check_fill_matches_fetch(&self.db, self.size).await;
+            }
+        }
+        assert_eq!(self.fleet.bad_signatures(), 0);
+        figures
+    }
+
+    /// Updates at `rate` a second for `seconds` to the running worker;
+    /// publish → key change.
+    async fn steady(&mut self, rate: usize, seconds: usize) -> Latencies {
+        let js = self.nats.js().await;
+        let received = key_changes_seen(self.nats).await;
+        // Publish acks are awaited aside, so a slow one never delays the rate.
+        let (acks_tx, mut acks_rx) = tokio::sync::mpsc::unbounded_channel::<
+            async_nats::jetstream::context::PublishAckFuture,
+        >();
+        let acks = tokio::spawn(async move {
+            while let Some(ack) = acks_rx.recv().await {
+                ack.await.expect("publish ack");
+            }
+        });
+        let total = rate * seconds;
+        let mut tick = tokio::time::interval(Duration::from_millis(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut sent = Vec::with_capacity(total);
+        let started = Instant::now();
+        while sent.len() < total {
+            tick.tick().await;
+            // As many as are due by now: the rate holds whatever the tick.
+            let due = ((started.elapsed().as_secs_f64() * rate as f64) as usize).min(total);
+            while sent.len() < due {
+                let (key, body) = self.update(self.published);
+                self.published += 1;
+                let at = Instant::now();
+                let ack = js
+                    .publish("devicelist.in.update", body.into())
+                    .await
+                    .expect("publish");
+                let _ = acks_tx.send(ack);
+                sent.push((key, at));
+            }
+        }
+        drop(acks_tx);
+        acks.await.expect("acks");
+        Latencies::of(latencies_once_seen(&received, &sent, Duration::from_secs(300)).await)
+    }
+
+    /// 100 users spread over the table, not stale.
+    fn sample(&self) -> Vec<String> {
+        (0..100)
+            .map(|k| user(k * self.size / 100 + 7, self.size))
+            .collect()
+    }
+
+    /// One query RPC for the sample; checks every user is fresh with both
+    /// devices.
+    async fn query_sample(&self) -> Duration {
+        let client = self.nats.client().await;
+        let users = self.sample();
+        let request = serde_json::json!({ "user_ids": users }).to_string();
+        let started = Instant::now();
+        let reply = client
+            .request("devicelist.rpc.query", request.into())
+            .await
+            .expect("query RPC");
+        let elapsed = started.elapsed();
+        let reply: serde_json::Value = serde_json::from_slice(&reply.payload).expect("JSON");
+        for u in &users {
+            let answer = &reply["users"][u];
+            assert_eq!(answer["stale"], false, "{u}: {answer}");
+            assert_eq!(answer["devices"].as_object().map(|d| d.len()), Some(2), "{u}");
+        }
+        elapsed
+    }
+
+    /// Runs `device-list-updater admin <args>`; its time from exec to exit.
+    fn admin(&self, args: &[&str]) -> Duration {
+        let started = Instant::now();
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_device-list-updater"))
+            .arg("admin")
+            .args(args)
+            .env("DLU_SERVER_NAME", "our.example")
+            .env("DLU_SIGNING_KEY_PATH", &self.key_path)
+            .env("DLU_DATABASE_URL", &self.url)
+            .env("DLU_NATS_URL", &self.nats.url)
+            .env("DLU_MEMBERSHIP", "on")
+            .output()
+            .expect("admin");
+        let elapsed = started.elapsed();
+        assert!(
+            output.status.success(),
+            "admin {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        elapsed
+    }
+
+    /// A start with 1 % of the lists lost: (→ ready, → query RPC answered,
+    /// → all fetched).
+    async fn start_up(&self) -> (Duration, Duration, Duration) {
+        lose_lists(&self.db, self.size).await;
+        let client = self.nats.client().await;
+        let request: bytes::Bytes = serde_json::json!({ "user_ids": self.sample() })
+            .to_string()
+            .into();
+        let http = free_addr();
+        let started = Instant::now();
+        let worker = self.start_worker(http);
+        let ready = wait_for(Duration::from_secs(300), "ready", || async {
+            let body = super::try_http_get(http, "/readyz").await?;
+            body.starts_with("ready").then(|| started.elapsed())
+        })
+        .await;
+        let answering = wait_for(Duration::from_secs(300), "the query RPC", || async {
+            client
+                .request("devicelist.rpc.query", request.clone())
+                .await
+                .ok()
+                .map(|_| started.elapsed())
+        })
+        .await;
+        let fetched = wait_for(Duration::from_secs(1200), "every stale user fetched", || async {
+            (count(&self.db, "SELECT count(*) FROM stale_user").await == 0)
+                .then(|| started.elapsed())
+        })
+        .await;
+        worker.stop().await;
+        (ready, answering, fetched)
+    }
+
+    /// Every workload once more with `auto_explain` logging each plan;
+    /// prints each distinct statement with its scans.
+    async fn explain(&mut self, pg: &PrivatePostgres) {
+        let name = self.url.rsplit('/').next().unwrap_or_default().to_owned();
+        for setting in [
+            "session_preload_libraries = 'auto_explain'",
+            "auto_explain.log_min_duration = 0",
+        ] {
+            self.db
+                .execute_unprepared(&format!("ALTER DATABASE {name} SET {setting}"))
+                .await
+                .expect("auto_explain");
+        }
+        let log = pg.dir().join("server.log");
+        let from = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
+        let settings = Settings {
+            sizes: vec![self.size],
+            runs: 1,
+            updates: 2_000,
+            rate: 200,
+            seconds: 2,
+            csv: None,
+            explain: false,
+        };
+        self.measure(&settings).await;
+        for args in [vec!["servers"], vec!["stale", "--server", "server50.example"]] {
+            self.admin(&args);
+        }
+        let text = std::fs::read(&log).expect("server.log");
+        let text = String::from_utf8_lossy(&text[from as usize..]);
+        print_plans(&text);
+    }
+}
+
+/// A free local address for the worker's HTTP listener.
+fn free_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+}
+
+/// Prints each distinct statement of an `auto_explain` log with the scans
+/// of its plans, marking sequential scans of growing tables.
+fn print_plans(log: &str) {
+    // statement → (executions, scans seen)
+    let mut plans: BTreeMap<String, (usize, std::collections::BTreeSet<String>)> = BTreeMap::new();
+    let mut entries = Vec::new();
+    let mut current = String::new();
+    for line in log.lines() {
+        if line.starts_with(|c: char| c.is_ascii_digit()) && !current.is_empty() {
+            entries.push(std::mem::take(&mut current));
+        }
+        current.push_str(line);
+        current.push('\n');
+    }
+    entries.push(current);
+    for entry in entries.iter().filter(|e| e.contains("plan:")) {
+        let Some((_, rest)) = entry.split_once("Query Text:") else {
+            continue;
+        };
+        let mut lines = rest.lines();
+        let query: String = lines.next().unwrap_or_default().split_whitespace().collect::<Vec<_>>().join(" ");
+        let query: String = query.chars().take(150).collect();
+        let scans = lines.filter_map(|line| {
+            let node = line.trim().trim_start_matches("->").trim();
+            let node = node.split("  (").next().unwrap_or(node);
+            node.contains("Scan").then(|| node.to_owned())
+        });
+        let plan = plans.entry(query).or_default();
+        plan.0 += 1;
+        plan.1.extend(scans);
+    }
+    println!("\n| statement | runs | scans |\n|---|---|---|");
+    for (query, (runs, scans)) in &plans {
+        let scans: Vec<String> = scans
+            .iter()
+            .map(|scan| {
+                let growing = GROWING_TABLES
+                    .iter()
+                    .any(|t| scan.starts_with("Seq Scan") && scan.contains(&format!(" on {t}")));
+                if growing {
+                    format!("**{scan}**")
+                } else {
+                    scan.clone()
+                }
+            })
+            .collect();
+        println!("| `{}` | {runs} | {} |", query.replace('|', "\\|"), scans.join("; "));
+    }
+}
