@@ -54,11 +54,8 @@ struct Settings {
 impl Settings {
     fn from_env() -> Settings {
         let var = |key: &str| std::env::var(key).ok();
-        let number = |key: &str, default: usize| {
-            var(key)
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(default)
-        };
+        let number =
+            |key: &str, default: usize| var(key).and_then(|v| v.parse().ok()).unwrap_or(default);
         Settings {
             sizes: var("BENCH_SCALE_SIZES")
                 .unwrap_or_else(|| "10000,100000,1000000".into())
@@ -226,7 +223,10 @@ async fn fill(db: &DatabaseConnection, size: usize) {
         ("cross_signing_key", 2 * size.div_ceil(3)),
     ];
     for (table, expected) in counts {
-        assert_eq!(count(db, &format!("SELECT count(*) FROM {table}")).await, expected as i64);
+        assert_eq!(
+            count(db, &format!("SELECT count(*) FROM {table}")).await,
+            expected as i64
+        );
     }
 }
 
@@ -254,8 +254,12 @@ async fn lose_lists(db: &DatabaseConnection, size: usize) {
         size.saturating_sub(1)
     );
     for statement in [
-        format!("DELETE FROM remote_device WHERE user_id IN (SELECT user_id FROM ({stale_users}) s)"),
-        format!("DELETE FROM cross_signing_key WHERE user_id IN (SELECT user_id FROM ({stale_users}) s)"),
+        format!(
+            "DELETE FROM remote_device WHERE user_id IN (SELECT user_id FROM ({stale_users}) s)"
+        ),
+        format!(
+            "DELETE FROM cross_signing_key WHERE user_id IN (SELECT user_id FROM ({stale_users}) s)"
+        ),
         format!(
             "INSERT INTO stale_user (user_id, server_name, marked_at_ms, trigger_stream_ids, \
              last_error, failures, next_attempt_ms) \
@@ -286,7 +290,11 @@ async fn check_fill_matches_fetch(db: &DatabaseConnection, size: usize) {
         ),
     )
     .await;
-    assert_eq!(devices, 2 * stale, "fetched devices stored as the fill writes them");
+    assert_eq!(
+        devices,
+        2 * stale,
+        "fetched devices stored as the fill writes them"
+    );
     let keys = count(
         db,
         &format!(
@@ -296,8 +304,15 @@ async fn check_fill_matches_fetch(db: &DatabaseConnection, size: usize) {
         ),
     )
     .await;
-    let with_keys = (50..size).step_by(100).filter(|u| has_cross_signing(*u)).count() as i64;
-    assert_eq!(keys, 2 * with_keys, "fetched cross-signing keys stored as the fill writes them");
+    let with_keys = (50..size)
+        .step_by(100)
+        .filter(|u| has_cross_signing(*u))
+        .count() as i64;
+    assert_eq!(
+        keys,
+        2 * with_keys,
+        "fetched cross-signing keys stored as the fill writes them"
+    );
 }
 
 /// The figures of one size, by metric, one value per run.
@@ -315,7 +330,7 @@ pub async fn phase(nats: &Nats) {
         let figures = at.measure(&settings).await;
         for (metric, values) in &figures {
             for (run, value) in values.iter().enumerate() {
-                let _ = writeln!(csv, "{size},{run},{metric},{value}");
+                let _ = writeln!(csv, "{size},{run},\"{metric}\",{value}");
             }
         }
         all.push((size, figures));
@@ -383,7 +398,10 @@ impl<'a> Size<'a> {
         let db = store.connection().clone();
         let started = Instant::now();
         fill(&db, size).await;
-        eprintln!("scale: {size} users filled in {:.1} s", started.elapsed().as_secs_f64());
+        eprintln!(
+            "scale: {size} users filled in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
         let js = nats.js().await;
         fresh_streams(&js).await;
         create_input_stream(&js).await;
@@ -461,15 +479,27 @@ impl<'a> Size<'a> {
             .await;
             let elapsed = started.elapsed();
             let (_, cpu) = worker.usage();
-            add(&mut figures, "ingest: updates/s", n as f64 / elapsed.as_secs_f64());
+            add(
+                &mut figures,
+                "ingest: updates/s",
+                n as f64 / elapsed.as_secs_f64(),
+            );
             add(
                 &mut figures,
                 "ingest: worker CPU µs/update",
                 cpu.as_secs_f64() * 1e6 / n as f64,
             );
             let latency = self.steady(settings.rate, settings.seconds).await;
-            add(&mut figures, "steady: p50 ms", latency.p50.as_secs_f64() * 1e3);
-            add(&mut figures, "steady: p99 ms", latency.p99.as_secs_f64() * 1e3);
+            add(
+                &mut figures,
+                "steady: p50 ms",
+                latency.p50.as_secs_f64() * 1e3,
+            );
+            add(
+                &mut figures,
+                "steady: p99 ms",
+                latency.p99.as_secs_f64() * 1e3,
+            );
             let mut rpc = Vec::new();
             for _ in 0..5 {
                 rpc.push(self.query_sample().await.as_secs_f64() * 1e3);
@@ -489,7 +519,11 @@ impl<'a> Size<'a> {
         }
         for run in 0..settings.runs {
             let (ready, answering, fetched) = self.start_up().await;
-            add(&mut figures, "start-up, 1 % stale: to ready ms", ready.as_secs_f64() * 1e3);
+            add(
+                &mut figures,
+                "start-up, 1 % stale: to ready ms",
+                ready.as_secs_f64() * 1e3,
+            );
             add(
                 &mut figures,
                 "start-up, 1 % stale: to RPC answered ms",
@@ -571,7 +605,11 @@ impl<'a> Size<'a> {
         for u in &users {
             let answer = &reply["users"][u];
             assert_eq!(answer["stale"], false, "{u}: {answer}");
-            assert_eq!(answer["devices"].as_object().map(|d| d.len()), Some(2), "{u}");
+            assert_eq!(
+                answer["devices"].as_object().map(|d| d.len()),
+                Some(2),
+                "{u}"
+            );
         }
         elapsed
     }
@@ -622,10 +660,14 @@ impl<'a> Size<'a> {
                 .map(|_| started.elapsed())
         })
         .await;
-        let fetched = wait_for(Duration::from_secs(1200), "every stale user fetched", || async {
-            (count(&self.db, "SELECT count(*) FROM stale_user").await == 0)
-                .then(|| started.elapsed())
-        })
+        let fetched = wait_for(
+            Duration::from_secs(1200),
+            "every stale user fetched",
+            || async {
+                (count(&self.db, "SELECT count(*) FROM stale_user").await == 0)
+                    .then(|| started.elapsed())
+            },
+        )
         .await;
         worker.stop().await;
         (ready, answering, fetched)
@@ -656,7 +698,10 @@ impl<'a> Size<'a> {
             explain: false,
         };
         self.measure(&settings).await;
-        for args in [vec!["servers"], vec!["stale", "--server", "server50.example"]] {
+        for args in [
+            vec!["servers"],
+            vec!["stale", "--server", "server50.example"],
+        ] {
             self.admin(&args);
         }
         let text = std::fs::read(&log).expect("server.log");
@@ -692,7 +737,12 @@ fn print_plans(log: &str) {
             continue;
         };
         let mut lines = rest.lines();
-        let query: String = lines.next().unwrap_or_default().split_whitespace().collect::<Vec<_>>().join(" ");
+        let query: String = lines
+            .next()
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
         let query: String = query.chars().take(150).collect();
         let scans = lines.filter_map(|line| {
             let node = line.trim().trim_start_matches("->").trim();
@@ -718,6 +768,10 @@ fn print_plans(log: &str) {
                 }
             })
             .collect();
-        println!("| `{}` | {runs} | {} |", query.replace('|', "\\|"), scans.join("; "));
+        println!(
+            "| `{}` | {runs} | {} |",
+            query.replace('|', "\\|"),
+            scans.join("; ")
+        );
     }
 }

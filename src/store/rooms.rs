@@ -409,25 +409,43 @@ impl Store {
             user_id: String,
         }
         let backend = self.db.get_database_backend();
-        let sql = "SELECT user_id FROM (\
-               SELECT user_id FROM remote_user \
-               UNION SELECT user_id FROM stale_user \
-               UNION SELECT user_id FROM cross_signing_key) AS stored \
-             WHERE user_id > $1 \
-               AND NOT EXISTS (SELECT 1 FROM shared_user s WHERE s.user_id = stored.user_id) \
-             ORDER BY user_id LIMIT $2";
-        let sql = match backend {
-            DbBackend::Postgres => sql.to_owned(),
-            _ => sql.replace("$1", "?").replace("$2", "?"),
+        // Each table gives its first `limit` unshared users after `after`
+        // by its primary key (user_id leads each), so a page costs what it
+        // reads, not the whole table: the first `limit` of their union are
+        // the page. (A filter over the union would sort every stored user
+        // on every page.)
+        let (after_p, limit_p) = match backend {
+            DbBackend::Postgres => ("$1", "$2"),
+            _ => ("?", "?"),
         };
+        let branch = |table: &str| {
+            format!(
+                "SELECT user_id FROM (SELECT DISTINCT user_id FROM {table} t \
+                   WHERE user_id > {after_p} \
+                     AND NOT EXISTS (SELECT 1 FROM shared_user s WHERE s.user_id = t.user_id) \
+                   ORDER BY user_id LIMIT {limit_p}) AS {table}_page"
+            )
+        };
+        let sql = format!(
+            "SELECT user_id FROM ({} UNION {} UNION {}) AS stored ORDER BY user_id LIMIT {limit_p}",
+            branch("remote_user"),
+            branch("stale_user"),
+            branch("cross_signing_key"),
+        );
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows = Row::find_by_statement(Statement::from_sql_and_values(
-            backend,
-            sql,
-            [after.into(), limit.into()],
-        ))
-        .all(&self.db)
-        .await?;
+        let values: Vec<sea_orm::Value> = match backend {
+            DbBackend::Postgres => vec![after.into(), limit.into()],
+            // SQLite binds `?` in order.
+            _ => [after.into(), limit.into()]
+                .into_iter()
+                .cycle()
+                .take(6)
+                .chain([limit.into()])
+                .collect(),
+        };
+        let rows = Row::find_by_statement(Statement::from_sql_and_values(backend, sql, values))
+            .all(&self.db)
+            .await?;
         Ok(rows
             .into_iter()
             .filter_map(|r| OwnedUserId::try_from(r.user_id).ok())
