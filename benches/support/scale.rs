@@ -49,6 +49,8 @@ struct Settings {
     seconds: usize,
     csv: Option<String>,
     explain: bool,
+    /// Also the largest size with membership on and rooms.
+    rooms: bool,
 }
 
 impl Settings {
@@ -68,6 +70,7 @@ impl Settings {
             seconds: number("BENCH_SCALE_SECONDS", 10),
             csv: var("BENCH_SCALE_CSV"),
             explain: var("BENCH_SCALE_EXPLAIN").as_deref() == Some("on"),
+            rooms: var("BENCH_SCALE_ROOMS").as_deref() != Some("off"),
         }
     }
 }
@@ -85,6 +88,13 @@ const GROWING_TABLES: &[&str] = &[
     "room_member",
     "member_key_link",
 ];
+
+/// Members of each room with membership on.
+const ROOM_MEMBERS: usize = 100;
+/// The room our server leaves with membership on, and its members (the
+/// first users; fewer if there are fewer).
+const BIG_ROOM: &str = "!big:our.example";
+const BIG_ROOM_MEMBERS: usize = 100_000;
 
 /// Users per server in the fill.
 const USERS_PER_SERVER: usize = 100;
@@ -179,7 +189,9 @@ fn device_list(u: usize, size: usize) -> serde_json::Value {
                                "keys": device_keys(&user, device)})
         })
         .collect();
-    let mut list = serde_json::json!({"user_id": user, "stream_id": 1, "devices": devices});
+    // Stream id 0, as the fill stores: the chained updates that follow
+    // (number 1 on) still apply.
+    let mut list = serde_json::json!({"user_id": user, "stream_id": 0, "devices": devices});
     if has_cross_signing(u) {
         list["master_key"] = cross_signing_key(&user, "master");
         list["self_signing_key"] = cross_signing_key(&user, "self_signing");
@@ -266,6 +278,9 @@ async fn lose_lists(db: &DatabaseConnection, size: usize) {
              SELECT user_id, server_name, {now}, '[]', NULL, 0, 0 FROM ({stale_users}) s \
              ON CONFLICT DO NOTHING"
         ),
+        // The statistics autovacuum keeps in a running deployment (its
+        // next pass could come any time), so plans are those of 1 % stale.
+        "ANALYZE stale_user, remote_device, cross_signing_key".into(),
     ] {
         db.execute_unprepared(&statement).await.expect("lose lists");
     }
@@ -284,7 +299,7 @@ async fn check_fill_matches_fetch(db: &DatabaseConnection, size: usize) {
         db,
         &format!(
             "SELECT count(*) FROM remote_device d JOIN ({users}) s ON s.user_id = d.user_id \
-             WHERE d.keys_json::jsonb = ({})::jsonb AND NOT d.deleted \
+             WHERE d.keys_json::jsonb = ({})::jsonb AND NOT d.deleted AND d.stream_id = 0 \
              AND d.display_name = CASE d.device_id WHEN 'DEVICE0' THEN 'Phone' ELSE 'Laptop' END",
             device_keys_sql("d.user_id", "d.device_id")
         ),
@@ -322,25 +337,45 @@ type Figures = BTreeMap<&'static str, Vec<f64>>;
 pub async fn phase(nats: &Nats) {
     let settings = Settings::from_env();
     let pg = PrivatePostgres::start();
-    let mut all: Vec<(usize, Figures)> = Vec::new();
+    let mut all: Vec<(String, Figures)> = Vec::new();
     let mut csv = String::from("size,run,metric,value\n");
-    for (i, &size) in settings.sizes.iter().enumerate() {
+    let mut last = Vec::new();
+    let largest = settings.sizes.iter().copied().max();
+    let runs = settings
+        .sizes
+        .iter()
+        .map(|&size| (size, false))
+        .chain(largest.filter(|_| settings.rooms).map(|size| (size, true)));
+    for (size, membership) in runs {
         let (url, _) = create_postgres_database(&pg.url, &format!("dlu_scale_{size}")).await;
         let mut at = Size::new(nats, &url, size).await;
+        if membership {
+            at.join_rooms().await;
+        }
         let figures = at.measure(&settings).await;
+        let label = if membership {
+            format!("{size} rooms")
+        } else {
+            size.to_string()
+        };
         for (metric, values) in &figures {
             for (run, value) in values.iter().enumerate() {
-                let _ = writeln!(csv, "{size},{run},\"{metric}\",{value}");
+                let _ = writeln!(csv, "{label},{run},\"{metric}\",{value}");
             }
         }
-        all.push((size, figures));
-        if settings.explain && i + 1 == settings.sizes.len() {
-            at.explain(&pg).await;
+        all.push((label, figures));
+        if Some(size) == largest {
+            last.push(at);
         }
     }
     print_table(&all);
     if let Some(path) = &settings.csv {
         std::fs::write(path, csv).expect("write the CSV");
+    }
+    if settings.explain {
+        for mut at in last {
+            at.explain(&pg).await;
+        }
     }
 }
 
@@ -350,23 +385,28 @@ fn median(values: &[f64]) -> f64 {
     sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-fn print_table(all: &[(usize, Figures)]) {
-    let Some((_, first)) = all.first() else {
+fn print_table(all: &[(String, Figures)]) {
+    if all.is_empty() {
         return;
-    };
+    }
     print!("\n| figure (median of runs; min–max) |");
     for (size, _) in all {
-        print!(" {size} users |");
+        print!(" {size} |");
     }
     print!("\n|---|");
     for _ in all {
         print!("---|");
     }
     println!();
-    for metric in first.keys() {
+    let metrics: std::collections::BTreeSet<&str> =
+        all.iter().flat_map(|(_, f)| f.keys().copied()).collect();
+    for metric in metrics {
         print!("| {metric} |");
         for (_, figures) in all {
-            let values = figures.get(metric).map(Vec::as_slice).unwrap_or_default();
+            let Some(values) = figures.get(metric) else {
+                print!(" - |");
+                continue;
+            };
             let min = values.iter().copied().fold(f64::INFINITY, f64::min);
             let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             print!(" {:.1} ({min:.1}–{max:.1}) |", median(values));
@@ -384,6 +424,11 @@ struct Size<'a> {
     key_path: std::path::PathBuf,
     fleet: MockFederation,
     overrides: String,
+    /// Membership on: every user shares a room of [`ROOM_MEMBERS`] with us,
+    /// and the first [`BIG_ROOM_MEMBERS`] also `!big`.
+    membership: bool,
+    /// The last `stream_ordering` of the membership published.
+    ordering: usize,
     /// Updates published so far: update `g` is the `u = g % size`th user's
     /// number `1 + g / size`, chained on the one before.
     published: usize,
@@ -433,6 +478,8 @@ impl<'a> Size<'a> {
             key_path,
             fleet,
             overrides,
+            membership: false,
+            ordering: 0,
             published: 0,
             _dir: dir,
         }
@@ -452,7 +499,17 @@ impl<'a> Size<'a> {
             &self.url,
             &self.key_path,
             &self.overrides,
-            &[("DLU_HTTP_ADDR", http.to_string())],
+            // Stale users' servers are fetched at once, not spread over
+            // the default two minutes: the start-up figure is the fetch's
+            // own time.
+            &[
+                ("DLU_HTTP_ADDR", http.to_string()),
+                ("DLU_STARTUP_SPREAD", "0s".into()),
+                (
+                    "DLU_MEMBERSHIP",
+                    if self.membership { "on" } else { "off" }.into(),
+                ),
+            ],
         )
     }
 
@@ -516,6 +573,19 @@ impl<'a> Size<'a> {
             ] {
                 add(&mut figures, metric, self.admin(&args).as_secs_f64() * 1e3);
             }
+            if self.membership {
+                let (left, cpu) = self.leave_big_room().await;
+                add(
+                    &mut figures,
+                    "our server leaving !big: s",
+                    left.as_secs_f64(),
+                );
+                add(
+                    &mut figures,
+                    "our server leaving !big: worker CPU s",
+                    cpu.as_secs_f64(),
+                );
+            }
         }
         for run in 0..settings.runs {
             let (ready, answering, fetched) = self.start_up().await;
@@ -540,6 +610,88 @@ impl<'a> Size<'a> {
         }
         assert_eq!(self.fleet.bad_signatures(), 0);
         figures
+    }
+
+    /// Membership on: our user joins a room of [`ROOM_MEMBERS`] users for
+    /// every [`ROOM_MEMBERS`] users, and `!big` with the first
+    /// [`BIG_ROOM_MEMBERS`], all through the worker's membership input
+    /// (its own rows, exactly); the users' lists are stored already, so
+    /// none is fetched (SPEC §5.5.3).
+    async fn join_rooms(&mut self) {
+        self.membership = true;
+        let js = self.nats.js().await;
+        let mut events = Vec::with_capacity(self.size + 2 * self.size / ROOM_MEMBERS + 1);
+        for room in 0..self.size.div_ceil(ROOM_MEMBERS) {
+            let room_id = format!("!room{room}:our.example");
+            events.push(self.membership_event(&room_id, "@me:our.example", "join"));
+            for u in room * ROOM_MEMBERS..((room + 1) * ROOM_MEMBERS).min(self.size) {
+                events.push(self.membership_event(&room_id, &user(u, self.size), "join"));
+            }
+        }
+        events.push(self.membership_event(BIG_ROOM, "@me:our.example", "join"));
+        for u in 0..BIG_ROOM_MEMBERS.min(self.size) {
+            events.push(self.membership_event(BIG_ROOM, &user(u, self.size), "join"));
+        }
+        let n = events.len();
+        publish_all(&js, "devicelist.in.membership", events.into_iter()).await;
+        let started = Instant::now();
+        let worker = self.start_worker(free_addr());
+        self.wait_rooms_settled(true).await;
+        eprintln!(
+            "scale: {n} membership events applied in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        worker.stop().await;
+        assert_eq!(
+            count(&self.db, "SELECT count(*) FROM shared_user").await,
+            self.size as i64,
+            "every user shares a room"
+        );
+    }
+
+    fn membership_event(&mut self, room: &str, who: &str, membership: &str) -> String {
+        self.ordering += 1;
+        serde_json::json!({"room_id": room, "state_key": who, "membership": membership,
+                           "stream_ordering": self.ordering})
+        .to_string()
+    }
+
+    /// Waits until the membership input is applied: `!big` ours (or not)
+    /// and no room sweep left.
+    async fn wait_rooms_settled(&self, big_ours: bool) {
+        let sql = format!(
+            "SELECT count(*) FROM room WHERE sweep OR (room_id = '{BIG_ROOM}' AND (local_joined > 0) <> {big_ours})"
+        );
+        wait_for(Duration::from_secs(1200), "the rooms settled", || async {
+            (count(&self.db, "SELECT count(*) FROM room").await > 0
+                && count(&self.db, &sql).await == 0)
+                .then_some(())
+        })
+        .await;
+    }
+
+    /// Our server leaves `!big` (its members share another room, so they
+    /// stay tracked, but each is decided again): published → sweep done,
+    /// and the worker's CPU for it; then joins it again.
+    async fn leave_big_room(&mut self) -> (Duration, Duration) {
+        let js = self.nats.js().await;
+        let worker = self.start_worker(free_addr());
+        let leave = self.membership_event(BIG_ROOM, "@me:our.example", "leave");
+        let (_, cpu_before) = worker.usage();
+        let started = Instant::now();
+        publish_all(&js, "devicelist.in.membership", std::iter::once(leave)).await;
+        self.wait_rooms_settled(false).await;
+        let left = started.elapsed();
+        let (_, cpu_after) = worker.usage();
+        let join = self.membership_event(BIG_ROOM, "@me:our.example", "join");
+        publish_all(&js, "devicelist.in.membership", std::iter::once(join)).await;
+        self.wait_rooms_settled(true).await;
+        worker.stop().await;
+        assert_eq!(
+            count(&self.db, "SELECT count(*) FROM shared_user").await,
+            self.size as i64
+        );
+        (left, cpu_after - cpu_before)
     }
 
     /// Updates at `rate` a second for `seconds` to the running worker;
@@ -686,6 +838,24 @@ impl<'a> Size<'a> {
                 .await
                 .expect("auto_explain");
         }
+        // A revalidation queue as a busy deployment has one: 1 % of the
+        // users queued, each in its own back-off for a day (so no job
+        // sends one), for the plans over that table.
+        let now = device_list_updater::store::now_ms();
+        for statement in [
+            format!(
+                "INSERT INTO revalidation (user_id, server_name, queued_at_ms, failures, next_attempt_ms, last_error) \
+                 SELECT {}, 'server' || (u % {}) || '.example', {now}, 1, {}, 'bench' \
+                 FROM generate_series(25, {}, 100) u",
+                user_sql("u", self.size),
+                servers(self.size),
+                now + 86_400_000,
+                self.size.saturating_sub(1)
+            ),
+            "ANALYZE".into(),
+        ] {
+            self.db.execute_unprepared(&statement).await.expect("queue");
+        }
         let log = pg.dir().join("server.log");
         let from = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
         let settings = Settings {
@@ -696,6 +866,7 @@ impl<'a> Size<'a> {
             seconds: 2,
             csv: None,
             explain: false,
+            rooms: false,
         };
         self.measure(&settings).await;
         for args in [
@@ -710,6 +881,28 @@ impl<'a> Size<'a> {
     }
 }
 
+/// `query` with each parameter written `$` and lists of them (`IN ($1,
+/// $2)`, `VALUES ($1, $2), ($3, $4)`) written once, so one statement of
+/// any length is one row.
+fn normalized(query: &str) -> String {
+    let mut out = String::with_capacity(query.len());
+    let mut chars = query.chars().peekable();
+    while let Some(c) = chars.next() {
+        out.push(c);
+        if c == '$' {
+            while chars.peek().is_some_and(char::is_ascii_digit) {
+                chars.next();
+            }
+        }
+    }
+    for (list, one) in [("$, $", "$"), ("($), ($)", "($)")] {
+        while out.contains(list) {
+            out = out.replace(list, one);
+        }
+    }
+    out
+}
+
 /// A free local address for the worker's HTTP listener.
 fn free_addr() -> std::net::SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -720,8 +913,16 @@ fn free_addr() -> std::net::SocketAddr {
 /// Prints each distinct statement of an `auto_explain` log with the scans
 /// of its plans, marking sequential scans of growing tables.
 fn print_plans(log: &str) {
-    // statement → (executions, scans seen)
-    let mut plans: BTreeMap<String, (usize, std::collections::BTreeSet<String>)> = BTreeMap::new();
+    /// A statement's executions, their total and longest time (ms), and
+    /// the scans its plans used.
+    #[derive(Default)]
+    struct Plans {
+        runs: usize,
+        total_ms: f64,
+        max_ms: f64,
+        scans: std::collections::BTreeSet<String>,
+    }
+    let mut plans: BTreeMap<String, Plans> = BTreeMap::new();
     let mut entries = Vec::new();
     let mut current = String::new();
     for line in log.lines() {
@@ -743,19 +944,27 @@ fn print_plans(log: &str) {
             .split_whitespace()
             .collect::<Vec<_>>()
             .join(" ");
-        let query: String = query.chars().take(150).collect();
+        let query: String = normalized(&query).chars().take(600).collect();
         let scans = lines.filter_map(|line| {
             let node = line.trim().trim_start_matches("->").trim();
             let node = node.split("  (").next().unwrap_or(node);
             node.contains("Scan").then(|| node.to_owned())
         });
+        let ms: f64 = entry
+            .split_once("duration: ")
+            .and_then(|(_, rest)| rest.split_once(" ms"))
+            .and_then(|(ms, _)| ms.parse().ok())
+            .unwrap_or(0.0);
         let plan = plans.entry(query).or_default();
-        plan.0 += 1;
-        plan.1.extend(scans);
+        plan.runs += 1;
+        plan.total_ms += ms;
+        plan.max_ms = plan.max_ms.max(ms);
+        plan.scans.extend(scans);
     }
-    println!("\n| statement | runs | scans |\n|---|---|---|");
-    for (query, (runs, scans)) in &plans {
-        let scans: Vec<String> = scans
+    println!("\n| statement | runs | total ms | max ms | scans |\n|---|---|---|---|---|");
+    for (query, plan) in &plans {
+        let scans: Vec<String> = plan
+            .scans
             .iter()
             .map(|scan| {
                 let growing = GROWING_TABLES
@@ -769,8 +978,11 @@ fn print_plans(log: &str) {
             })
             .collect();
         println!(
-            "| `{}` | {runs} | {} |",
+            "| `{}` | {} | {:.0} | {:.1} | {} |",
             query.replace('|', "\\|"),
+            plan.runs,
+            plan.total_ms,
+            plan.max_ms,
             scans.join("; ")
         );
     }
