@@ -7,6 +7,8 @@
 //! start-up fetches are stored exactly as the fill wrote them). Then,
 //! `BENCH_SCALE_RUNS` (3) runs each of:
 //!
+//! - the bare JetStream loop (pull, publish, ack) over as many messages,
+//!   the ceiling beside the ingest figure;
 //! - ingest: `BENCH_SCALE_UPDATES` (100000) chained updates spread over all
 //!   users, published while the worker binary is stopped; start → every key
 //!   change in `KEY_CHANGE`; the worker's CPU per update;
@@ -18,12 +20,21 @@
 //!   membership on), each the binary from exec to exit;
 //! - start-up with 1 % of the users stale (their lists lost): start → `/readyz`
 //!   ready, → the query RPC answering, → every stale user fetched from a
-//!   mock fleet (X-Matrix checked).
+//!   mock fleet (X-Matrix checked), its servers at once
+//!   (`DLU_STARTUP_SPREAD=0s`: the figure is the fetch's, not the spread's).
+//!
+//! Then the largest size again with membership on (`BENCH_SCALE_ROOMS=off`
+//! skips it): every user in a room of 100 with us and the first 100,000 in
+//! `!big` too, all applied through the worker's membership input (so the
+//! room rows are its own); the same runs, and in each our server leaving
+//! `!big` (published → its sweep done, and the worker's CPU for it), then
+//! joining again.
 //!
 //! `BENCH_SCALE_CSV=path` writes every figure as `size,run,metric,value`
 //! (`scripts/plot-scale` draws them). `BENCH_SCALE_EXPLAIN=on` then turns
-//! on `auto_explain` for the largest size's database, runs each workload
-//! once more, and prints every distinct statement with the scans its plan
+//! on `auto_explain` for the largest size's databases, runs each workload
+//! once more (with 1 % of the users queued for revalidation), and prints
+//! every distinct statement with its runs, time and the scans its plans
 //! used, marking a sequential scan of a table that grows with the users.
 
 use std::collections::BTreeMap;
@@ -364,14 +375,17 @@ pub async fn phase(nats: &Nats) {
             }
         }
         all.push((label, figures));
+        // Each size's figures as soon as they are known: a later failure
+        // loses nothing measured.
+        print_table(&all[all.len() - 1..]);
+        if let Some(path) = &settings.csv {
+            std::fs::write(path, &csv).expect("write the CSV");
+        }
         if Some(size) == largest {
             last.push(at);
         }
     }
     print_table(&all);
-    if let Some(path) = &settings.csv {
-        std::fs::write(path, csv).expect("write the CSV");
-    }
     if settings.explain {
         for mut at in last {
             at.explain(&pg).await;
@@ -520,6 +534,8 @@ impl<'a> Size<'a> {
         };
         let js = self.nats.js().await;
         for _ in 0..settings.runs {
+            let bare = super::bare_loop(self.nats, settings.updates, self.size).await;
+            add(&mut figures, "bare JetStream loop: messages/s", bare);
             let before = stream_len(&js, "KEY_CHANGE").await;
             let first = self.published;
             let updates: Vec<String> = (first..first + settings.updates)
@@ -636,6 +652,11 @@ impl<'a> Size<'a> {
         publish_all(&js, "devicelist.in.membership", events.into_iter()).await;
         let started = Instant::now();
         let worker = self.start_worker(free_addr());
+        wait_for(Duration::from_secs(1200), "every user sharing", || async {
+            (count(&self.db, "SELECT count(*) FROM shared_user").await == self.size as i64)
+                .then_some(())
+        })
+        .await;
         self.wait_rooms_settled(true).await;
         eprintln!(
             "scale: {n} membership events applied in {:.1} s",
@@ -662,10 +683,9 @@ impl<'a> Size<'a> {
         let sql = format!(
             "SELECT count(*) FROM room WHERE sweep OR (room_id = '{BIG_ROOM}' AND (local_joined > 0) <> {big_ours})"
         );
+        let big = format!("SELECT count(*) FROM room WHERE room_id = '{BIG_ROOM}'");
         wait_for(Duration::from_secs(1200), "the rooms settled", || async {
-            (count(&self.db, "SELECT count(*) FROM room").await > 0
-                && count(&self.db, &sql).await == 0)
-                .then_some(())
+            (count(&self.db, &big).await == 1 && count(&self.db, &sql).await == 0).then_some(())
         })
         .await;
     }

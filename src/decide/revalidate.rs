@@ -23,6 +23,26 @@ pub fn rate_per_second(tracked: u64, after: Duration) -> f64 {
     tracked as f64 / after.as_secs_f64()
 }
 
+/// The shortest wait between two counts of the tracked users while some
+/// were found.
+pub const RECOUNT: Duration = Duration::from_secs(10);
+/// The wait while none were found (a new deployment, an empty database).
+pub const RECOUNT_EMPTY: Duration = Duration::from_secs(1);
+/// A count may take at most this share of the time between counts.
+const RECOUNT_SHARE: u32 = 100;
+
+/// When the tracked users are counted again, after a count that found
+/// `tracked` and took `took`: the count reads every tracked user (on
+/// PostgreSQL a whole-table scan, about a tenth of a second at a million),
+/// so the wait grows with what it costs and counting never takes more than
+/// a hundredth of the database's time, however many users there are.
+pub fn recount_after(tracked: u64, took: Duration) -> Duration {
+    if tracked == 0 {
+        return RECOUNT_EMPTY;
+    }
+    RECOUNT.max(took.saturating_mul(RECOUNT_SHARE))
+}
+
 /// The token bucket of revalidations; starts empty.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Pacer {
@@ -53,6 +73,20 @@ mod tests {
 
     fn ms(ms: u64) -> Duration {
         Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn counting_takes_at_most_a_hundredth() {
+        for (tracked, took, after) in [
+            (0, ms(5), RECOUNT_EMPTY),
+            (0, ms(500), RECOUNT_EMPTY),
+            (10_000, ms(2), RECOUNT),
+            (1_000_000, ms(100), RECOUNT),
+            (1_000_000, ms(135), ms(13_500)),
+            (10_000_000, ms(1_400), ms(140_000)),
+        ] {
+            assert_eq!(recount_after(tracked, took), after, "{tracked} in {took:?}");
+        }
     }
 
     #[test]

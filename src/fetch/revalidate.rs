@@ -15,7 +15,7 @@ use async_nats::jetstream::kv;
 
 use super::queue::FetchQueue;
 use crate::bus::lease::Lease;
-use crate::decide::revalidate::{Pacer, rate_per_second};
+use crate::decide::revalidate::{Pacer, RECOUNT_EMPTY, rate_per_second, recount_after};
 use crate::shutdown::Shutdown;
 use crate::store::{Store, now_ms};
 
@@ -23,11 +23,6 @@ use crate::store::{Store, now_ms};
 pub const LEASE_KEY: &str = "revalidation";
 /// How often the pacer picks users.
 const TICK: Duration = Duration::from_millis(100);
-/// How often the tracked users are counted again (a count over an index:
-/// tens of milliseconds at a million users on PostgreSQL)…
-const RECOUNT: Duration = Duration::from_secs(10);
-/// …or while none were found (a new deployment, an empty database).
-const RECOUNT_EMPTY: Duration = Duration::from_secs(1);
 
 /// The pacer of one replica (it paces only while it holds the lease).
 pub(crate) struct Revalidator {
@@ -81,11 +76,12 @@ impl Revalidator {
                 () = shutdown.requested() => return,
             }
             if counted.is_none_or(|at| at.elapsed() >= recount) {
+                let started = Instant::now();
                 match self.store.revalidation_population().await {
                     Ok(tracked) => {
                         rate = rate_per_second(tracked, self.after);
                         counted = Some(Instant::now());
-                        recount = if tracked == 0 { RECOUNT_EMPTY } else { RECOUNT };
+                        recount = recount_after(tracked, started.elapsed());
                     }
                     Err(e) => tracing::warn!(error = %e, "cannot count tracked users"),
                 }

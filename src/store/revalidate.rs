@@ -99,15 +99,7 @@ impl Store {
         now_ms: i64,
         limit: u64,
     ) -> Result<Vec<OwnedServerName>, DbErr> {
-        let full: Vec<String> = revalidation::Entity::find()
-            .select_only()
-            .column(revalidation::Column::ServerName)
-            .group_by(revalidation::Column::ServerName)
-            .having(revalidation::Column::UserId.count().gte(QUEUED_PER_SERVER))
-            .into_tuple::<String>()
-            .all(&self.db)
-            .await?;
-        let due = self.due_for_revalidation(fetched_before_ms, now_ms, limit, full);
+        let due = self.due_for_revalidation(fetched_before_ms, now_ms, limit);
         let mut insert = Query::insert();
         insert
             .into_table(revalidation::Entity)
@@ -141,13 +133,12 @@ impl Store {
     }
 
     /// The select of [`Store::queue_revalidations`]: user, server and
-    /// `now_ms` of the users it queues, leaving out the servers in `full`.
+    /// `now_ms` of the users it queues.
     fn due_for_revalidation(
         &self,
         fetched_before_ms: i64,
         now_ms: i64,
         limit: u64,
-        full: Vec<String>,
     ) -> SelectStatement {
         let user = (remote_user::Entity, remote_user::Column::UserId);
         let server = (remote_user::Entity, remote_user::Column::ServerName);
@@ -191,9 +182,18 @@ impl Store {
         if self.membership() {
             due.and_where(super::sharing::shares_now(user));
         }
-        if !full.is_empty() {
-            due.and_where(Expr::col(server).is_not_in(full));
-        }
+        // The server's queue is counted per candidate, through the queue's
+        // index by server (at most the cap's worth of rows each), not by
+        // grouping the whole queue on every pick: the queue grows with the
+        // servers, and the pick runs up to ten times a second.
+        let queued = Query::select()
+            .expr(Expr::col((revalidation::Entity, revalidation::Column::UserId)).count())
+            .from(revalidation::Entity)
+            .and_where(
+                Expr::col((revalidation::Entity, revalidation::Column::ServerName)).equals(server),
+            )
+            .to_owned();
+        due.and_where(Expr::from(queued).lt(QUEUED_PER_SERVER));
         due
     }
 
