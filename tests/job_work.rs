@@ -6,19 +6,12 @@
 
 mod common;
 
+use common::sql;
+
 use device_list_updater::store::Store;
 use ruma::server_name;
-use sea_orm::ConnectionTrait as _;
 
 const NOW: i64 = 1_000_000;
-
-async fn sql(store: &Store, statement: &str) {
-    store
-        .connection()
-        .execute_unprepared(statement)
-        .await
-        .unwrap_or_else(|e| panic!("{statement}: {e}"));
-}
 
 async fn stale(store: &Store, user: &str, next_attempt_ms: i64) {
     sql(

@@ -4,29 +4,15 @@
 
 mod common;
 
+use common::sql;
+
 use device_list_updater::store::Store;
 use device_list_updater::store::revalidate::QUEUED_PER_SERVER;
-use sea_orm::ConnectionTrait as _;
-
-async fn sql(store: &Store, statement: &str) {
-    store
-        .connection()
-        .execute_unprepared(statement)
-        .await
-        .unwrap_or_else(|e| panic!("{statement}: {e}"));
-}
 
 /// `n` users of `server`, never fetched (all due).
 async fn users(store: &Store, server: &str, n: i64) {
     for i in 0..n {
-        sql(
-            store,
-            &format!(
-                "INSERT INTO remote_user (user_id, server_name, known_stream_ids, max_stream_id, fetched_stream_id, fetched_at_ms) \
-                 VALUES ('@u{i}:{server}', '{server}', '[1]', 1, 1, 0)"
-            ),
-        )
-        .await;
+        common::stored_user(store, &format!("@u{i}:{server}"), server, 0).await;
     }
 }
 

@@ -5,26 +5,12 @@
 
 mod common;
 
-use device_list_updater::store::Store;
-use sea_orm::ConnectionTrait as _;
+use common::sql;
 
-async fn sql(store: &Store, statement: &str) {
-    store
-        .connection()
-        .execute_unprepared(statement)
-        .await
-        .unwrap_or_else(|e| panic!("{statement}: {e}"));
-}
+use device_list_updater::store::Store;
 
 async fn remote_user(store: &Store, user: &str) {
-    sql(
-        store,
-        &format!(
-            "INSERT INTO remote_user (user_id, server_name, known_stream_ids, max_stream_id, fetched_stream_id, fetched_at_ms) \
-             VALUES ('{user}', 'remote.example', '[1]', 1, 1, 0)"
-        ),
-    )
-    .await;
+    common::stored_user(store, user, "remote.example", 0).await;
 }
 
 async fn stale(store: &Store, user: &str) {

@@ -399,3 +399,32 @@ pub async fn known_user(db: &sea_orm::DatabaseConnection, user: &str) {
     .await
     .expect("a known user");
 }
+
+/// Runs `statement` on the store's database; panics with it if it fails
+/// (for tests that set up rows the store's own API has no call for).
+pub async fn sql(store: &device_list_updater::store::Store, statement: &str) {
+    use sea_orm::ConnectionTrait as _;
+    store
+        .connection()
+        .execute_unprepared(statement)
+        .await
+        .unwrap_or_else(|e| panic!("{statement}: {e}"));
+}
+
+/// Stores `user` of `server` known up to stream id 1, its list last
+/// fetched at `fetched_at_ms` (0: never, so due for revalidation).
+pub async fn stored_user(
+    store: &device_list_updater::store::Store,
+    user: &str,
+    server: &str,
+    fetched_at_ms: i64,
+) {
+    sql(
+        store,
+        &format!(
+            "INSERT INTO remote_user (user_id, server_name, known_stream_ids, max_stream_id, fetched_stream_id, fetched_at_ms) \
+             VALUES ('{user}', '{server}', '[1]', 1, 1, {fetched_at_ms})"
+        ),
+    )
+    .await;
+}
