@@ -717,6 +717,12 @@ async fn key_changes_seen(nats: &Nats) -> Seen {
     let out = seen.clone();
     tokio::spawn(async move {
         while let Some(message) = changes.next().await {
+            // Nobody looks any more: stop (and unsubscribe), so a phase
+            // that measures again and again does not keep every earlier
+            // subscriber busy with every later key change.
+            if std::sync::Arc::strong_count(&out) == 1 {
+                break;
+            }
             let at = Instant::now();
             let event: serde_json::Value =
                 serde_json::from_slice(&message.payload).unwrap_or_default();

@@ -678,6 +678,17 @@ impl<'a> Size<'a> {
         })
         .await;
         self.wait_rooms_settled(true).await;
+        // Every user starting to share is a key change: stopped before the
+        // outbox is published, the next start would publish them first and
+        // the first ingest run would measure that.
+        wait_for(
+            Duration::from_secs(1200),
+            "the outbox published",
+            || async {
+                (count(&self.db, "SELECT count(*) FROM key_change_outbox").await == 0).then_some(())
+            },
+        )
+        .await;
         eprintln!(
             "scale: {n} membership events applied in {:.1} s",
             started.elapsed().as_secs_f64()
