@@ -322,14 +322,7 @@ async fn steady_latency(
         async move { (received.lock().ok()?.len() == 1).then_some(()) }
     })
     .await;
-    // Publish acks are awaited aside, so a slow ack never delays the rate.
-    let (acks_tx, mut acks_rx) =
-        tokio::sync::mpsc::unbounded_channel::<jetstream::context::PublishAckFuture>();
-    let acks = tokio::spawn(async move {
-        while let Some(ack) = acks_rx.recv().await {
-            ack.await.expect("publish ack");
-        }
-    });
+    let acks = AcksAside::new();
     let total = rate * seconds;
     let per_tick = rate.div_ceil(1000).max(1);
     let mut tick = tokio::time::interval(Duration::from_millis(1));
@@ -343,18 +336,11 @@ async fn steady_latency(
             let (user, round) = (k % users, 1 + k / users);
             k += 1;
             let user = name(user);
-            let body = realistic_update(&user, round);
-            let at = Instant::now();
-            let ack = js
-                .publish("devicelist.in.update", body.into())
-                .await
-                .expect("publish");
-            let _ = acks_tx.send(ack);
+            let at = acks.publish(&js, realistic_update(&user, round)).await;
             sent.push(((user, round as i64), at));
         }
     }
-    drop(acks_tx);
-    acks.await.expect("acks");
+    acks.finish().await;
     let latencies = latencies_once_seen(&received, &sent, Duration::from_secs(120)).await;
     let metrics = http_get(running.http_addr, "/metrics").await;
     running.stop(Duration::from_secs(10)).await;
@@ -704,6 +690,43 @@ async fn seed_others(db: &sea_orm::DatabaseConnection) {
         .exec_without_returning(db)
         .await
         .expect("seed shared");
+}
+
+/// Publishes to the input at a rate with the publish acks awaited aside,
+/// so a slow ack never delays the next publish.
+struct AcksAside {
+    acks: tokio::sync::mpsc::UnboundedSender<jetstream::context::PublishAckFuture>,
+    awaiting: tokio::task::JoinHandle<()>,
+}
+
+impl AcksAside {
+    fn new() -> AcksAside {
+        let (acks, mut pending) =
+            tokio::sync::mpsc::unbounded_channel::<jetstream::context::PublishAckFuture>();
+        let awaiting = tokio::spawn(async move {
+            while let Some(ack) = pending.recv().await {
+                ack.await.expect("publish ack");
+            }
+        });
+        AcksAside { acks, awaiting }
+    }
+
+    /// Publishes `body` to `devicelist.in.update`; when it was sent.
+    async fn publish(&self, js: &jetstream::Context, body: String) -> Instant {
+        let at = Instant::now();
+        let ack = js
+            .publish("devicelist.in.update", body.into())
+            .await
+            .expect("publish");
+        let _ = self.acks.send(ack);
+        at
+    }
+
+    /// Waits for every ack.
+    async fn finish(self) {
+        drop(self.acks);
+        self.awaiting.await.expect("acks");
+    }
 }
 
 /// (user, stream id) → when its key change arrived, from a core-NATS

@@ -754,15 +754,7 @@ impl<'a> Size<'a> {
     async fn steady(&mut self, rate: usize, seconds: usize) -> Latencies {
         let js = self.nats.js().await;
         let received = key_changes_seen(self.nats).await;
-        // Publish acks are awaited aside, so a slow one never delays the rate.
-        let (acks_tx, mut acks_rx) = tokio::sync::mpsc::unbounded_channel::<
-            async_nats::jetstream::context::PublishAckFuture,
-        >();
-        let acks = tokio::spawn(async move {
-            while let Some(ack) = acks_rx.recv().await {
-                ack.await.expect("publish ack");
-            }
-        });
+        let acks = super::AcksAside::new();
         let total = rate * seconds;
         let mut tick = tokio::time::interval(Duration::from_millis(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -775,17 +767,10 @@ impl<'a> Size<'a> {
             while sent.len() < due {
                 let (key, body) = self.update(self.published);
                 self.published += 1;
-                let at = Instant::now();
-                let ack = js
-                    .publish("devicelist.in.update", body.into())
-                    .await
-                    .expect("publish");
-                let _ = acks_tx.send(ack);
-                sent.push((key, at));
+                sent.push((key, acks.publish(&js, body).await));
             }
         }
-        drop(acks_tx);
-        acks.await.expect("acks");
+        acks.finish().await;
         Latencies::of(latencies_once_seen(&received, &sent, Duration::from_secs(300)).await)
     }
 
