@@ -39,7 +39,10 @@ impl Telemetry {
         let filter = tracing_subscriber::EnvFilter::try_from_default_env()
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
         let logs = match log_format {
+            // Colours only on a terminal: a log file or journald gets
+            // plain text.
             LogFormat::Text => tracing_subscriber::fmt::layer()
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .with_writer(std::io::stderr)
                 .boxed(),
             LogFormat::Json => tracing_subscriber::fmt::layer()

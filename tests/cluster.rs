@@ -184,3 +184,20 @@ async fn leaders_killed_during_a_burst() {
     }
     running.stop(Duration::from_secs(10)).await;
 }
+
+/// A node whose route port another process took meanwhile is reported at
+/// once, with what nats-server printed, so the cluster can start again on
+/// new ports (the cluster tests otherwise failed now and then, waiting for
+/// a server that had exited).
+#[tokio::test]
+async fn a_taken_route_port_is_reported_not_waited_on() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let port = taken.local_addr().expect("its address").port();
+    let conf = format!(
+        "server_name: n0\ncluster {{ name: taken, listen: \"127.0.0.1:{port}\", routes: [nats-route://127.0.0.1:{port}] }}\n"
+    );
+    let Err(e) = device_list_updater::testkit::Nats::try_start_with_config(&conf).await else {
+        panic!("a server started on a taken route port");
+    };
+    assert!(e.contains("address already in use"), "{e}");
+}

@@ -81,12 +81,21 @@ fn with_credentials(nats: &Nats, credentials: &str) -> String {
         .replacen("nats://", &format!("nats://{credentials}@"), 1)
 }
 
-/// A free loopback port.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap()
+/// The address the worker's HTTP server listens on, from its log's start
+/// line (it binds a port of its own choosing: one chosen for it could be
+/// taken by another test before it binds).
+async fn http_addr_in(log: &std::path::Path) -> std::net::SocketAddr {
+    common::eventually(
+        Duration::from_secs(30),
+        "the worker's start line",
+        || async {
+            let text = std::fs::read_to_string(log).ok()?;
+            let line = text.lines().find(|l| l.contains("worker started"))?;
+            let (_, rest) = line.split_once("http_addr=")?;
+            rest.split_whitespace().next()?.parse().ok()
+        },
+    )
+    .await
 }
 
 /// The worker does its whole job through the restricted account over TLS:
@@ -104,7 +113,6 @@ async fn restricted_worker_over_tls(verify: bool) {
         .await
         .unwrap();
     common::known_user(store.connection(), ALICE).await;
-    let port = free_port();
     let mut command = common::worker_command(&nats, &db, &key);
     command
         .env(
@@ -112,7 +120,6 @@ async fn restricted_worker_over_tls(verify: bool) {
             with_credentials(&nats, &format!("worker:{WORKER_PASSWORD}")),
         )
         .env("DLU_NATS_TLS_CA", nats.dir().join("ca.pem"))
-        .env("DLU_HTTP_ADDR", format!("127.0.0.1:{port}"))
         .env("RUST_LOG", "debug")
         .stderr(std::fs::File::create(&log).unwrap());
     if verify {
@@ -165,7 +172,7 @@ async fn restricted_worker_over_tls(verify: bool) {
         answer["users"][ALICE]["devices"]["PHONE"].is_object(),
         "{answer}"
     );
-    let metrics = common::http_get(([127, 0, 0, 1], port).into(), "/metrics")
+    let metrics = common::http_get(http_addr_in(&log).await, "/metrics")
         .await
         .1;
     assert!(metrics.contains("dlu_key_changes_published_total"));

