@@ -147,9 +147,21 @@ fn apply_room_plan(
             }
         }
     }
+    let is_ours = row.local_joined > 0;
+    if !is_ours {
+        // In a room that is not ours no pair shares: the pairs this change
+        // touches are set so now, or one left here meanwhile would count
+        // again when the room becomes ours before its sweep.
+        set.extend(
+            room_plan
+                .joined
+                .iter()
+                .filter(|(user, _)| user.server_name() != own)
+                .map(|(user, _)| (user.clone(), false)),
+        );
+    }
     rooms.rooms.insert(room.to_owned(), row);
     plan.rooms.rooms.insert(room.to_owned(), row);
-    let is_ours = row.local_joined > 0;
     if was_ours != is_ours {
         // The pairs already counted in this room count, or stop counting,
         // from this change on, for every decision (SPEC §5.5.4): for the

@@ -309,3 +309,24 @@ fn a_sweep_sets_every_pair_and_ends() {
     assert!(!plan.rooms.rooms[&room(1)].sweep);
     assert!(!plan.rooms.room_users[&(room(1), bob())].shares);
 }
+
+#[test]
+fn who_left_a_room_while_it_was_not_ours_is_not_counted_when_we_rejoin() {
+    // In one batch, before any sweep: we join, Bob joins, we leave, Bob
+    // leaves, we join again. Bob shares nothing at the end.
+    let plan = plan_batch(
+        snapshot(),
+        &[
+            join(1, ME, 1),
+            join(1, BOB, 2),
+            membership(1, ME, Membership::Leave, 3),
+            membership(1, BOB, Membership::Leave, 4),
+            join(1, ME, 5),
+        ],
+        0,
+    );
+    assert!(plan.rooms.untrack.contains(&bob()), "{plan:?}");
+    assert!(!plan.stale.contains_key(&bob()), "{plan:?}");
+    assert_eq!(plan.rooms.shared.get(&bob()), Some(&0), "{plan:?}");
+    assert!(!plan.rooms.room_users[&(room(1), bob())].shares);
+}
