@@ -165,12 +165,19 @@ pub async fn assert_all_reflected_once(js: &jetstream::Context, db: &sea_orm::Da
 /// (fast at volume): its body, and its `Nats-Msg-Id` if it has one.
 pub async fn read_key_changes(js: &jetstream::Context) -> Vec<(serde_json::Value, Option<String>)> {
     let total = stream_len(js, "KEY_CHANGE").await;
-    let stream = js.get_stream("KEY_CHANGE").await.expect("stream");
-    let consumer = stream
-        .create_consumer(jetstream::consumer::pull::OrderedConfig::default())
-        .await
-        .expect("consumer");
-    let mut messages = consumer.messages().await.expect("messages");
+    // Just after a node of a cluster was killed and started again, a
+    // JetStream request can time out while the stream's leader settles:
+    // asked again until it answers.
+    let mut messages =
+        super::eventually(Duration::from_secs(30), "an ordered consumer", || async {
+            let stream = js.get_stream("KEY_CHANGE").await.ok()?;
+            let consumer = stream
+                .create_consumer(jetstream::consumer::pull::OrderedConfig::default())
+                .await
+                .ok()?;
+            consumer.messages().await.ok()
+        })
+        .await;
     let mut changes = Vec::new();
     for _ in 0..total {
         let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
