@@ -269,6 +269,7 @@ impl Tasks {
             metrics: self.metrics.clone(),
             backlog,
             revalidation_slots: Fetcher::revalidation_slots(settings.fetch_concurrency),
+            store_turns: Fetcher::store_turns(),
         };
         self.set.spawn(fetcher.run(consumer, self.shutdown.clone()));
         let wakeups = Wakeups::default();

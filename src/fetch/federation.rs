@@ -221,7 +221,10 @@ impl FederationClient {
     )]
     pub async fn get_devices(&self, user: &UserId) -> Result<(FetchedList, usize), FetchFailure> {
         let destination = user.server_name();
-        let target = self.target(destination).await?;
+        // Boxed: discovery (DNS, `.well-known`) is the largest state of a
+        // fetch, and every job in flight would otherwise reserve room for
+        // it for the whole request (SPEC §5.2's concurrency: a thousand).
+        let target = Box::pin(self.target(destination)).await?;
         let (url, authorization) = self.signed_request(&target, user)?;
         let client = if target.overridden {
             &self.direct

@@ -86,6 +86,8 @@ pub struct Fetcher {
     pub backlog: IngestBacklog,
     /// Jobs sending revalidations at once (see [`Fetcher::revalidation_slots`]).
     pub revalidation_slots: Arc<Semaphore>,
+    /// Jobs' statements run at once (see [`Fetcher::store_turns`]).
+    pub store_turns: Arc<Semaphore>,
 }
 
 /// What a parked job looks for once more before it parks.
@@ -135,10 +137,31 @@ impl Fetcher {
         Arc::new(Semaphore::new((concurrency / 2).max(1)))
     }
 
+    /// The turns of jobs' statements: as many as the PostgreSQL pool has
+    /// connections (SQLite's one connection takes them in turn). A thousand jobs starting together would otherwise each
+    /// build its statement and wait for a connection holding it (measured:
+    /// about 15 MiB at the fan-out's peak); waiting for a turn holds nothing.
+    pub fn store_turns() -> Arc<Semaphore> {
+        Arc::new(Semaphore::new(crate::store::POSTGRES_CONNECTIONS))
+    }
+
+    /// Runs the job's statement `statement` once a store turn is free. Its
+    /// future is made and boxed only then, so a waiting job holds neither
+    /// the statement nor room for it in its own state.
+    async fn in_turn<T, F>(&self, statement: impl FnOnce() -> F) -> T
+    where
+        F: std::future::Future<Output = T>,
+    {
+        let _turn = self.store_turns.acquire().await;
+        Box::pin(statement()).await
+    }
+
     /// Pulls and runs jobs until `shutdown` turns true; jobs in hand finish
     /// their current request and are given back.
     pub async fn run(self, consumer: PullConsumer, shutdown: Shutdown) {
-        let permits = Arc::new(Semaphore::new(self.concurrency.max(1)));
+        // Shared by the jobs: each holds a pointer, not a copy.
+        let fetcher = Arc::new(self);
+        let permits = Arc::new(Semaphore::new(fetcher.concurrency.max(1)));
         let mut running = tokio::task::JoinSet::new();
         while !shutdown.is_requested() {
             let free = permits.available_permits();
@@ -152,7 +175,7 @@ impl Fetcher {
             }
             // While ingest is behind, one job per turn (see `give_way`).
             let mut turn = tokio::select! {
-                turn = self.backlog.turn() => turn,
+                turn = fetcher.backlog.turn() => turn,
                 () = shutdown.requested() => continue,
             };
             let wanted = if turn.is_some() { 1 } else { free };
@@ -166,7 +189,7 @@ impl Fetcher {
                 let Ok(permit) = permits.clone().acquire_owned().await else {
                     break;
                 };
-                let this = self.clone();
+                let this = fetcher.clone();
                 let shutdown = shutdown.clone();
                 let turn = turn.take();
                 running.spawn(async move {
@@ -214,7 +237,7 @@ impl Fetcher {
     /// a job that arrives early (the rescan recreated a lost queue) waits
     /// out the rest.
     async fn server_ready(&self, message: &Message, server: &OwnedServerName) -> Option<u32> {
-        let wait = match self.store.server_wait(server).await {
+        let wait = match self.in_turn(|| self.store.server_wait(server)).await {
             Ok(wait) => wait,
             Err(e) => {
                 tracing::warn!(error = %e, %server, "cannot read the server's fetch state");
@@ -231,7 +254,7 @@ impl Fetcher {
             return None;
         }
         if wait.next_attempt_ms != 0
-            && let Err(e) = self.store.server_running(server).await
+            && let Err(e) = self.in_turn(|| self.store.server_running(server)).await
         {
             tracing::warn!(error = %e, %server, "cannot mark the fetch job running");
             let _ = message.ack_with(AckKind::Nak(Some(LOCAL_RETRY))).await;
@@ -252,7 +275,10 @@ impl Fetcher {
                 // enqueue a second job for the server: look again.
                 // Any stale user or revalidation counts, due or still in
                 // its own back-off.
-                match self.store.has_fetch_work(server, i64::MAX).await {
+                match self
+                    .in_turn(|| self.store.has_fetch_work(server, i64::MAX))
+                    .await
+                {
                     Ok(true) => self.enqueue(server).await,
                     Ok(false) => {}
                     Err(e) => {
@@ -312,8 +338,13 @@ impl Fetcher {
                 return JobEnd::Interrupted;
             }
             let due = match self
-                .store
-                .due_stale_users(server, now_ms(), USERS_PER_ROUND + done.len() as u64)
+                .in_turn(|| {
+                    self.store.due_stale_users(
+                        server,
+                        now_ms(),
+                        USERS_PER_ROUND + done.len() as u64,
+                    )
+                })
                 .await
             {
                 Ok(users) => users,
@@ -359,12 +390,13 @@ impl Fetcher {
         shutdown: &Shutdown,
     ) -> Option<JobEnd> {
         let due = match self
-            .store
-            .due_revalidations(
-                job.server,
-                now_ms(),
-                REVALIDATIONS_PER_ROUND + done.len() as u64,
-            )
+            .in_turn(|| {
+                self.store.due_revalidations(
+                    job.server,
+                    now_ms(),
+                    REVALIDATIONS_PER_ROUND + done.len() as u64,
+                )
+            })
             .await
         {
             Ok(due) => due,
@@ -442,7 +474,10 @@ impl Fetcher {
         if job.backing_off && answered {
             // It answered: the server's back-off is over.
             job.backing_off = false;
-            if let Err(e) = self.store.server_answered(job.server).await {
+            if let Err(e) = self
+                .in_turn(|| self.store.server_answered(job.server))
+                .await
+            {
                 tracing::warn!(error = %e, server = %job.server, "cannot clear the server's back-off");
             }
         }
@@ -458,7 +493,9 @@ impl Fetcher {
         // Shown by the resync RPC and `admin stale`; a revalidation leaves
         // the user as it was (SPEC §5.7.3).
         if let Asked::Stale(_) = asked
-            && let Err(e) = self.store.note_fetch_error(user, &failure.reason).await
+            && let Err(e) = self
+                .in_turn(|| self.store.note_fetch_error(user, &failure.reason))
+                .await
         {
             tracing::debug!(error = %e, "cannot record the fetch error");
         }
@@ -471,7 +508,10 @@ impl Fetcher {
     /// No stale user or revalidation is due: the job is done, or parked
     /// until the first user's own wait ends.
     async fn park_or_done(&self, server: &OwnedServerName) -> JobEnd {
-        match self.store.next_work_due(server, now_ms()).await {
+        match self
+            .in_turn(|| self.store.next_work_due(server, now_ms()))
+            .await
+        {
             Ok(Some(due_ms)) => self.park(server, due_ms, Waiting::AnyWork).await,
             Ok(None) => JobEnd::Done,
             Err(e) => {
@@ -485,19 +525,28 @@ impl Fetcher {
     /// once more for `waiting`'s work, so work queued meanwhile is either
     /// seen here or finds the job parked and wakes it ([`super::wake`]).
     async fn park(&self, server: &OwnedServerName, due_ms: i64, waiting: Waiting) -> JobEnd {
-        if let Err(e) = self.store.set_server_wait(server, 0, due_ms, None).await {
+        if let Err(e) = self
+            .in_turn(|| self.store.set_server_wait(server, 0, due_ms, None))
+            .await
+        {
             tracing::warn!(error = %e, %server, "cannot park the fetch job");
             return JobEnd::Local;
         }
         let due = match waiting {
-            Waiting::AnyWork => self.store.has_fetch_work(server, now_ms()).await,
-            Waiting::StaleUsers => self.store.has_due_user(server, now_ms()).await,
+            Waiting::AnyWork => {
+                self.in_turn(|| self.store.has_fetch_work(server, now_ms()))
+                    .await
+            }
+            Waiting::StaleUsers => {
+                self.in_turn(|| self.store.has_due_user(server, now_ms()))
+                    .await
+            }
         };
         match due {
             Ok(false) => JobEnd::Parked(due_ms),
             // Someone became due: run again now rather than park.
             Ok(true) | Err(_) => {
-                let _ = self.store.server_running(server).await;
+                let _ = self.in_turn(|| self.store.server_running(server)).await;
                 JobEnd::Local
             }
         }
@@ -513,12 +562,17 @@ impl Fetcher {
     ) -> JobEnd {
         let failures = failures.saturating_add(1);
         let (wait, until) = self.next_attempt(failures, failure.asked);
-        if let Err(e) = self.store.drop_server_revalidations(server).await {
+        if let Err(e) = self
+            .in_turn(|| self.store.drop_server_revalidations(server))
+            .await
+        {
             tracing::debug!(error = %e, %server, "cannot drop the server's queued revalidations");
         }
         if let Err(e) = self
-            .store
-            .set_server_wait(server, failures, until, Some(&failure.reason))
+            .in_turn(|| {
+                self.store
+                    .set_server_wait(server, failures, until, Some(&failure.reason))
+            })
             .await
         {
             tracing::warn!(error = %e, %server, "cannot record the server's back-off");
@@ -546,14 +600,18 @@ impl Fetcher {
         let user = asked.user();
         let noted = match asked {
             Asked::Stale(_) => {
-                self.store
-                    .note_user_failure(user, failures, until, &failure.reason)
-                    .await
+                self.in_turn(|| {
+                    self.store
+                        .note_user_failure(user, failures, until, &failure.reason)
+                })
+                .await
             }
             Asked::Revalidation(_) => {
-                self.store
-                    .note_revalidation_failure(user, failures, until, &failure.reason)
-                    .await
+                self.in_turn(|| {
+                    self.store
+                        .note_revalidation_failure(user, failures, until, &failure.reason)
+                })
+                .await
             }
         };
         if let Err(e) = noted {

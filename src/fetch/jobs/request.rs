@@ -63,7 +63,10 @@ impl Fetcher {
             }
             Ok(Fetched::Stored { changed: false }) => "unchanged",
             Ok(Fetched::Untracked) => {
-                if let Err(e) = self.store.drop_revalidation(&due.user).await {
+                if let Err(e) = self
+                    .in_turn(|| self.store.drop_revalidation(&due.user))
+                    .await
+                {
                     tracing::debug!(error = %e, "cannot drop the revalidation of an untracked user");
                 }
                 "untracked"
