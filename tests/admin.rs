@@ -64,8 +64,8 @@ async fn admin_commands(backend: Backend) {
     let mut config = common::config(&nats, &db);
     // down.example stays in its back-off while the commands look at it (the
     // tests' 200 ms would let its job run again between two of them).
-    config.retry_min = Duration::from_secs(60);
-    config.retry_max = Duration::from_secs(60);
+    config.settings.retry_min = Duration::from_secs(60);
+    config.settings.retry_max = Duration::from_secs(60);
     let fleet = MockFederation::trusting(&config, Duration::ZERO).await;
     fleet.serve(&mut config, ["remote.example", "down.example"]);
     fleet.script(
