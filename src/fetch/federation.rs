@@ -223,7 +223,8 @@ impl FederationClient {
         let destination = user.server_name();
         // Boxed: discovery (DNS, `.well-known`) is the largest state of a
         // fetch, and every job in flight would otherwise reserve room for
-        // it for the whole request (SPEC §5.2's concurrency: a thousand).
+        // it for the whole request (a thousand jobs at the default
+        // concurrency).
         let target = Box::pin(self.target(destination)).await?;
         let (url, authorization) = self.signed_request(&target, user)?;
         let client = if target.overridden {

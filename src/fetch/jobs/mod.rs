@@ -139,9 +139,10 @@ impl Fetcher {
     }
 
     /// The turns of jobs' statements: as many as the PostgreSQL pool has
-    /// connections (SQLite's one connection takes them in turn). A thousand jobs starting together would otherwise each
-    /// build its statement and wait for a connection holding it (measured:
-    /// about 15 MiB at the fan-out's peak); waiting for a turn holds nothing.
+    /// connections (SQLite's one connection takes them in turn). A thousand
+    /// jobs starting together would otherwise each build its statement and
+    /// wait for a connection holding it (measured: about 15 MiB at the
+    /// fan-out's peak); waiting for a turn holds nothing.
     pub fn store_turns() -> Arc<Semaphore> {
         Arc::new(Semaphore::new(crate::store::POSTGRES_CONNECTIONS))
     }
