@@ -35,11 +35,24 @@ struct WorkRow {
     work: bool,
 }
 
-/// [`Store::next_work_due`]'s answer: the first wait end of each kind.
+/// [`Store::work_ahead`]'s row: the first wait end of each kind, and
+/// whether a revalidation may be sent now.
 #[derive(FromQueryResult)]
-struct DueRow {
+struct AheadRow {
     stale: Option<i64>,
     revalidation: Option<i64>,
+    revalidation_due: bool,
+}
+
+/// What a job whose due stale users are done has ahead of it
+/// ([`Store::work_ahead`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkAhead {
+    /// A queued revalidation may be sent now.
+    pub revalidation_due: bool,
+    /// The first end of a wait of a stale user or a queued revalidation
+    /// still in its own back-off (Unix ms), if any.
+    pub next_due_ms: Option<i64>,
 }
 
 impl Store {
@@ -124,14 +137,12 @@ impl Store {
         Ok(row.is_some_and(|row| row.work))
     }
 
-    /// When `server`'s job next has work, of the stale users and queued
-    /// revalidations still in their own waits at `now_ms` (None: none).
-    /// One statement.
-    pub async fn next_work_due(
-        &self,
-        server: &ServerName,
-        now_ms: i64,
-    ) -> Result<Option<i64>, DbErr> {
+    /// What `server`'s job has ahead of it at `now_ms`, once its due stale
+    /// users are done: whether a queued revalidation may be sent now, and
+    /// when the first stale user or revalidation still in its own wait is
+    /// due. One statement: every job asks it before it ends, so a job with
+    /// nothing left ends without a second look for revalidations.
+    pub async fn work_ahead(&self, server: &ServerName, now_ms: i64) -> Result<WorkAhead, DbErr> {
         let stale = self
             .server_stale_users(server)
             .select_only()
@@ -144,14 +155,27 @@ impl Store {
             .column_as(revalidation::Column::NextAttemptMs.min(), "due")
             .filter(revalidation::Column::NextAttemptMs.gt(now_ms))
             .into_query();
+        let revalidation_due = self
+            .runnable_revalidations(server)
+            .select_only()
+            .expr(Expr::val(1))
+            .filter(revalidation::Column::NextAttemptMs.lte(now_ms))
+            .into_query();
         let query = Query::select()
             .expr_as(stale, Alias::new("stale"))
             .expr_as(revalidations, Alias::new("revalidation"))
+            .expr_as(
+                Expr::exists(revalidation_due),
+                Alias::new("revalidation_due"),
+            )
             .to_owned();
-        let row = DueRow::find_by_statement(self.db.get_database_backend().build(&query))
+        let row = AheadRow::find_by_statement(self.db.get_database_backend().build(&query))
             .one(&self.db)
             .await?;
-        Ok(row.and_then(|row| row.stale.into_iter().chain(row.revalidation).min()))
+        Ok(row.map_or_else(WorkAhead::default, |row| WorkAhead {
+            revalidation_due: row.revalidation_due,
+            next_due_ms: row.stale.into_iter().chain(row.revalidation).min(),
+        }))
     }
 
     /// Records `user`'s own failure: `failures` in a row now, not to be

@@ -335,26 +335,30 @@ impl Fetcher {
             failures,
             backing_off: failures > 0,
         };
+        // False after a round that took every due user: the job goes on to
+        // what is ahead without reading them again. A user marked stale
+        // meanwhile is found before the next revalidation, or by the look
+        // the job's end takes after its ack (a job of its own).
+        let mut look = true;
         loop {
             if shutdown.is_requested() {
                 return JobEnd::Interrupted;
             }
-            let due = match self
-                .in_turn(|| {
-                    self.store.due_stale_users(
-                        server,
-                        now_ms(),
-                        USERS_PER_ROUND + done.len() as u64,
-                    )
-                })
-                .await
-            {
-                Ok(users) => users,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot read stale users");
-                    return JobEnd::Local;
-                }
+            let limit = USERS_PER_ROUND + done.len() as u64;
+            let due = match look {
+                true => match self
+                    .in_turn(|| self.store.due_stale_users(server, now_ms(), limit))
+                    .await
+                {
+                    Ok(users) => users,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot read stale users");
+                        return JobEnd::Local;
+                    }
+                },
+                false => Vec::new(),
             };
+            look = due.len() as u64 == limit;
             let todo: Vec<DueUser> = due
                 .into_iter()
                 .filter(|due| !done.contains(&due.user))
@@ -366,7 +370,10 @@ impl Fetcher {
                     .await
                 {
                     Some(end) => return end,
-                    None => continue,
+                    None => {
+                        look = true;
+                        continue;
+                    }
                 }
             }
             for due in todo {
@@ -391,6 +398,20 @@ impl Fetcher {
         turn: &mut Option<Turn>,
         shutdown: &Shutdown,
     ) -> Option<JobEnd> {
+        let ahead = match self
+            .in_turn(|| self.store.work_ahead(job.server, now_ms()))
+            .await
+        {
+            Ok(ahead) => ahead,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the job's work ahead");
+                return Some(JobEnd::Local);
+            }
+        };
+        if !ahead.revalidation_due {
+            // The common end of a job: nothing queued to send, one statement.
+            return Some(self.park_or_done(job.server, ahead.next_due_ms).await);
+        }
         let due = match self
             .in_turn(|| {
                 self.store.due_revalidations(
@@ -413,7 +434,7 @@ impl Fetcher {
             .take(REVALIDATIONS_PER_ROUND as usize)
             .collect();
         if todo.is_empty() {
-            return Some(self.park_or_done(job.server).await);
+            return Some(self.park_or_done(job.server, ahead.next_due_ms).await);
         }
         let Ok(_slot) = self.revalidation_slots.clone().try_acquire_owned() else {
             // Every revalidation slot is taken: come back shortly, or
@@ -463,18 +484,11 @@ impl Fetcher {
     }
 
     /// No stale user or revalidation is due: the job is done, or parked
-    /// until the first user's own wait ends.
-    async fn park_or_done(&self, server: &OwnedServerName) -> JobEnd {
-        match self
-            .in_turn(|| self.store.next_work_due(server, now_ms()))
-            .await
-        {
-            Ok(Some(due_ms)) => self.park(server, due_ms, Waiting::AnyWork).await,
-            Ok(None) => JobEnd::Done,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read stale users");
-                JobEnd::Local
-            }
+    /// until `next_due_ms`, the first user's or revalidation's own wait end.
+    async fn park_or_done(&self, server: &OwnedServerName, next_due_ms: Option<i64>) -> JobEnd {
+        match next_due_ms {
+            Some(due_ms) => self.park(server, due_ms, Waiting::AnyWork).await,
+            None => JobEnd::Done,
         }
     }
 
@@ -510,15 +524,19 @@ impl Fetcher {
     }
 }
 
-/// Sends progress acks, one at once and then every `every`, so a job
+/// Sends progress acks every `every`, so a job
 /// survives slow servers, until the returned guard is dropped (on every way
 /// out of the job).
 fn keep_alive(message: &Message, every: Duration) -> AbortOnDrop {
     let message = message.clone();
     AbortOnDrop::spawn(async move {
-        // The first at once: the ack wait began when the server delivered
-        // the job, which may have waited in the pull's buffer meanwhile.
-        let mut tick = tokio::time::interval(every);
+        // The first a period after the job began: the ack wait began when
+        // the server delivered the job, and a job is started as soon as it
+        // arrives (its slot is taken before it is pulled), so a third of
+        // the ack wait is still ahead. One progress ack fewer per job, most
+        // of which end well inside the first period.
+        let first = tokio::time::Instant::now() + every;
+        let mut tick = tokio::time::interval_at(first, every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
