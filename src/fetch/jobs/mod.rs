@@ -335,30 +335,21 @@ impl Fetcher {
             failures,
             backing_off: failures > 0,
         };
-        // False after a round that took every due user: the job goes on to
-        // what is ahead without reading them again. A user marked stale
-        // meanwhile is found before the next revalidation, or by the look
-        // the job's end takes after its ack (a job of its own).
-        let mut look = true;
         loop {
             if shutdown.is_requested() {
                 return JobEnd::Interrupted;
             }
             let limit = USERS_PER_ROUND + done.len() as u64;
-            let due = match look {
-                true => match self
-                    .in_turn(|| self.store.due_stale_users(server, now_ms(), limit))
-                    .await
-                {
-                    Ok(users) => users,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot read stale users");
-                        return JobEnd::Local;
-                    }
-                },
-                false => Vec::new(),
+            let due = match self
+                .in_turn(|| self.store.due_stale_users(server, now_ms(), limit))
+                .await
+            {
+                Ok(users) => users,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read stale users");
+                    return JobEnd::Local;
+                }
             };
-            look = due.len() as u64 == limit;
             let todo: Vec<DueUser> = due
                 .into_iter()
                 .filter(|due| !done.contains(&due.user))
@@ -370,10 +361,7 @@ impl Fetcher {
                     .await
                 {
                     Some(end) => return end,
-                    None => {
-                        look = true;
-                        continue;
-                    }
+                    None => continue,
                 }
             }
             for due in todo {
@@ -524,19 +512,15 @@ impl Fetcher {
     }
 }
 
-/// Sends progress acks every `every`, so a job
+/// Sends progress acks, one at once and then every `every`, so a job
 /// survives slow servers, until the returned guard is dropped (on every way
 /// out of the job).
 fn keep_alive(message: &Message, every: Duration) -> AbortOnDrop {
     let message = message.clone();
     AbortOnDrop::spawn(async move {
-        // The first a period after the job began: the ack wait began when
-        // the server delivered the job, and a job is started as soon as it
-        // arrives (its slot is taken before it is pulled), so a third of
-        // the ack wait is still ahead. One progress ack fewer per job, most
-        // of which end well inside the first period.
-        let first = tokio::time::Instant::now() + every;
-        let mut tick = tokio::time::interval_at(first, every);
+        // The first at once: the ack wait began when the server delivered
+        // the job, which may have waited in the pull's buffer meanwhile.
+        let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
