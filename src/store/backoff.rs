@@ -5,7 +5,7 @@
 
 use entity::{fetch_server, revalidation, stale_user};
 use ruma::{OwnedUserId, ServerName, UserId};
-use sea_orm::sea_query::{Alias, Expr, ExprTrait as _, OnConflict, Query};
+use sea_orm::sea_query::{Alias, Expr, ExprTrait as _, OnConflict, Query, SelectStatement};
 use sea_orm::{
     ActiveValue::Set, ColumnTrait, DbErr, EntityTrait, FromQueryResult, PaginatorTrait,
     QueryFilter, QueryOrder, QuerySelect, QueryTrait as _,
@@ -109,6 +109,16 @@ impl Store {
         Ok(!self.due_stale_users(server, now_ms, 1).await?.is_empty())
     }
 
+    /// Selects a row for each queued revalidation of `server` a job may
+    /// send at `now_ms` (for `EXISTS`).
+    fn revalidation_due_query(&self, server: &ServerName, now_ms: i64) -> SelectStatement {
+        self.runnable_revalidations(server)
+            .select_only()
+            .expr(Expr::val(1))
+            .filter(revalidation::Column::NextAttemptMs.lte(now_ms))
+            .into_query()
+    }
+
     /// Whether `server`'s job has work at `now_ms`: a stale user or a
     /// queued revalidation (SPEC §5.7) whose own wait is over. One
     /// statement: every job asks it when it ends or parks.
@@ -119,12 +129,7 @@ impl Store {
             .expr(Expr::val(1))
             .filter(stale_user::Column::NextAttemptMs.lte(now_ms))
             .into_query();
-        let revalidations = self
-            .runnable_revalidations(server)
-            .select_only()
-            .expr(Expr::val(1))
-            .filter(revalidation::Column::NextAttemptMs.lte(now_ms))
-            .into_query();
+        let revalidations = self.revalidation_due_query(server, now_ms);
         let query = Query::select()
             .expr_as(
                 Expr::exists(stale).or(Expr::exists(revalidations)),
@@ -155,12 +160,7 @@ impl Store {
             .column_as(revalidation::Column::NextAttemptMs.min(), "due")
             .filter(revalidation::Column::NextAttemptMs.gt(now_ms))
             .into_query();
-        let revalidation_due = self
-            .runnable_revalidations(server)
-            .select_only()
-            .expr(Expr::val(1))
-            .filter(revalidation::Column::NextAttemptMs.lte(now_ms))
-            .into_query();
+        let revalidation_due = self.revalidation_due_query(server, now_ms);
         let query = Query::select()
             .expr_as(stale, Alias::new("stale"))
             .expr_as(revalidations, Alias::new("revalidation"))
