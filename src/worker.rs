@@ -270,6 +270,7 @@ impl Tasks {
             backlog,
             revalidation_slots: Fetcher::revalidation_slots(settings.fetch_concurrency),
             store_turns: Fetcher::store_turns(),
+            faults: self.faults,
         };
         self.set.spawn(fetcher.run(consumer, self.shutdown.clone()));
         let wakeups = Wakeups::default();

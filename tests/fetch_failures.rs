@@ -2,21 +2,25 @@
 //! user's own failures back off that user alone, asked waits and
 //! `DLU_RETRY_MIN` are floors, an update from a server in back-off ends it
 //! (across replicas, without a storm), a restart keeps the wait, a lost fetch
-//! queue is rebuilt, and user ids are percent-encoded in the path. Real
-//! nats-server, SQLite and PostgreSQL, and a mock fleet that checks every
-//! X-Matrix signature and its destination.
+//! queue is rebuilt, a job's lost ack reply strands nobody, and user ids
+//! are percent-encoded in the path. Real nats-server, SQLite and
+//! PostgreSQL, and a mock fleet that checks every X-Matrix signature and its
+//! destination.
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::fetch_env::{Env, update};
 use common::{Backend, metric_sample};
+use device_list_updater::faults::Fault;
 use device_list_updater::testkit::remote::{Reply, device_list};
 use device_list_updater::worker;
 use entity::{fetch_server, stale_user};
 use sea_orm::EntityTrait;
 use serde_json::json;
+use tokio::sync::Notify;
 
 const SERVER: &str = "remote.example";
 const BAD: &str = "@bad:remote.example";
@@ -358,6 +362,47 @@ async fn lost_queue_is_rebuilt(backend: Backend) {
     env.wait_fresh(&users[0], 2).await;
 }
 both_backends!(lost_queue, lost_queue_is_rebuilt);
+
+/// A job's final ack reaches NATS but its reply is lost: the job is gone,
+/// and a user marked stale again while its request was in flight (kept
+/// stale after the answer, and its own enqueue refused while the job was
+/// in hand) is fetched all the same.
+async fn lost_ack_reply_strands_nobody(backend: Backend) {
+    let env = Env::start(backend, &[SERVER], Duration::ZERO, |c| {
+        c.settings.fault = Some(Fault::LoseJobAckReply);
+    })
+    .await;
+    let user = &good_users()[0];
+    let gate = Arc::new(Notify::new());
+    env.fleet.script(
+        user,
+        vec![Reply::Held(gate.clone(), Box::new(list(user))), list(user)],
+    );
+    env.resync(user).await;
+    common::eventually(Duration::from_secs(20), "the request held", || async {
+        (env.fleet.requests(user) == 1).then_some(())
+    })
+    .await;
+    // A gap while the request is in flight: a new trigger, so the answer
+    // to come leaves the user stale.
+    env.update(update(user, "D2", 20, &[19], "Laptop")).await;
+    common::eventually(
+        Duration::from_secs(20),
+        "the new trigger marked",
+        || async {
+            stale_user::Entity::find_by_id(user.to_owned())
+                .one(env.db())
+                .await
+                .expect("query")
+                .filter(|row| row.trigger_stream_ids.contains("20"))
+        },
+    )
+    .await;
+    gate.notify_one();
+    env.wait_fresh(user, 2).await;
+    assert_eq!(env.fleet.bad_signatures(), 0);
+}
+both_backends!(lost_ack_reply, lost_ack_reply_strands_nobody);
 
 /// User ids are percent-encoded outside RFC 3986's unreserved set, and the
 /// signature covers the path exactly as sent.

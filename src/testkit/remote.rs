@@ -35,6 +35,9 @@ pub enum Reply {
     Raw(Vec<u8>),
     /// Never answers.
     Hang,
+    /// Answers as the inner reply once the test releases the gate
+    /// (`Notify::notify_one`; a release before the request counts too).
+    Held(Arc<tokio::sync::Notify>, Box<Reply>),
 }
 
 #[derive(Default)]
@@ -402,6 +405,10 @@ async fn respond(reply: Option<Reply>) -> Response {
             // Leave the request counted in flight: a hanging server is busy.
             std::future::pending::<()>().await;
             unreachable!()
+        }
+        Some(Reply::Held(gate, then)) => {
+            gate.notified().await;
+            Box::pin(respond(Some(*then))).await
         }
     }
 }

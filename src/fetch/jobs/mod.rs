@@ -39,6 +39,7 @@ use super::give_way::{IngestBacklog, Turn};
 use super::retry::RetryPolicy;
 use super::writer::FetchWriter;
 use crate::bus::fetch_jobs::{self, FetchJob};
+use crate::faults::{Fault, Faults};
 use crate::shutdown::{AbortOnDrop, Shutdown};
 use crate::store::backoff::DueUser;
 use crate::store::revalidate::DueRevalidation;
@@ -89,6 +90,8 @@ pub struct Fetcher {
     pub revalidation_slots: Arc<Semaphore>,
     /// Jobs' statements run at once (see [`Fetcher::store_turns`]).
     pub store_turns: Arc<Semaphore>,
+    /// Injected faults (test builds only).
+    pub faults: Faults,
 }
 
 /// What a parked job looks for once more before it parks.
@@ -269,9 +272,12 @@ impl Fetcher {
     async fn end_job(&self, message: &Message, server: &OwnedServerName, end: JobEnd) {
         let delay = match end {
             JobEnd::Done => {
-                if let Err(e) = message.double_ack().await {
-                    tracing::warn!(error = %e, %server, "fetch job ack failed; it will run again");
-                    return;
+                if let Err(e) = self.ack_done(message).await {
+                    // The ack may still have reached NATS (its reply lost
+                    // in a leader election): the job may be gone, so look
+                    // below as after an ack. If it is not gone, it runs
+                    // again and the enqueue is refused as a duplicate.
+                    tracing::warn!(error = %e, %server, "fetch job ack failed; it may run again");
                 }
                 // Users marked stale while this job was in hand could not
                 // enqueue a second job for the server: look again.
@@ -309,6 +315,15 @@ impl Fetcher {
             JobEnd::Interrupted => PULL_EXPIRY * 2,
         };
         let _ = message.ack_with(AckKind::Nak(Some(delay))).await;
+    }
+
+    /// Acks a finished job, waiting for NATS to confirm it.
+    async fn ack_done(&self, message: &Message) -> Result<(), async_nats::Error> {
+        message.double_ack().await?;
+        if self.faults.is_armed(Fault::LoseJobAckReply) {
+            return Err("fault injection: the ack's reply was lost".into());
+        }
+        Ok(())
     }
 
     async fn enqueue(&self, server: &OwnedServerName) {
