@@ -60,7 +60,20 @@ struct Synapse {
 }
 
 impl Synapse {
+    /// Starts Synapse on a free port. The port is free when picked but not
+    /// held until Synapse binds it, so another test may take it first:
+    /// Synapse then exits, and it is started again on another port.
     async fn start(names_over_federation: bool, our_key: &Path) -> Synapse {
+        for _ in 0..3 {
+            if let Some(synapse) = Synapse::try_start(names_over_federation, our_key).await {
+                return synapse;
+            }
+        }
+        panic!("Synapse exited before listening three times (its port taken?)");
+    }
+
+    /// One attempt: None if Synapse exited before it listened.
+    async fn try_start(names_over_federation: bool, our_key: &Path) -> Option<Synapse> {
         let dir = tempfile::tempdir().expect("temp dir");
         let port = free_port();
         let names = if names_over_federation { "on" } else { "off" };
@@ -82,30 +95,56 @@ impl Synapse {
             .expect("a line");
         let listening: Value = serde_json::from_str(&first).expect("JSON");
         let our_name = listening["server_name"].as_str().expect("name").to_owned();
-        let synapse = Command::new(python())
-            .args(["-m", "synapse.app.homeserver", "-c"])
-            .arg(dir.path().join("homeserver.yaml"))
-            .current_dir(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("synapse starts");
+        let synapse = std::sync::Mutex::new(
+            Command::new(python())
+                .args(["-m", "synapse.app.homeserver", "-c"])
+                .arg(dir.path().join("homeserver.yaml"))
+                .current_dir(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .expect("synapse starts"),
+        );
         let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
-        common::eventually(Duration::from_secs(60), "synapse listening", || async {
-            let connected = tokio::net::TcpStream::connect(addr).await.is_ok();
-            if !connected {
-                return None;
-            }
-            (common::http_status(addr, "/_matrix/client/versions").await == 200).then_some(())
-        })
-        .await;
-        Synapse {
+        let listening =
+            common::eventually(Duration::from_secs(60), "synapse listening", || async {
+                let exited = synapse
+                    .lock()
+                    .map(|mut child| matches!(child.try_wait(), Ok(Some(_))))
+                    .unwrap_or(false);
+                if exited {
+                    return Some(false);
+                }
+                let connected = tokio::net::TcpStream::connect(addr).await.is_ok();
+                if !connected {
+                    return None;
+                }
+                // Bounded: whoever took the port may never answer.
+                let status = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    common::http_status(addr, "/_matrix/client/versions"),
+                )
+                .await;
+                (status.ok() == Some(200)).then_some(true)
+            })
+            .await;
+        if !listening {
+            let log = std::fs::read_to_string(dir.path().join("synapse.log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            eprintln!(
+                "Synapse exited before listening on {port}; trying another port. Its log ends:\n{}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+            return None;
+        }
+        let synapse = synapse.into_inner().unwrap_or_else(|e| e.into_inner());
+        Some(Synapse {
             dir,
             port,
             our_name,
             _children: vec![key_server, synapse],
-        }
+        })
     }
 
     async fn run(&self, command: &str) -> Value {
