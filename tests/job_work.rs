@@ -1,9 +1,11 @@
-//! The questions a fetch job asks the database before it parks or ends
-//! (SPEC §5.2, §5.7): is there work now (`has_fetch_work`), and what is
-//! ahead once the due stale users are done (`work_ahead`: a revalidation to
-//! send now, and when the next work is due). Each is one statement over
-//! stale users and queued revalidations, and counts a revalidation only when
-//! a job could send it (not of a stale user, whose own fetch comes first).
+//! The questions a fetch job asks the database as it starts, and before it
+//! parks or ends (SPEC §5.2, §5.7): the server's wait and its first due
+//! stale users (`job_start`), is there work now (`has_fetch_work`), and
+//! what is ahead once the due stale users are done (`work_ahead`: a stale
+//! user or a revalidation to send now, and when the next work is due). Each
+//! is one statement over stale users and queued revalidations, and counts a
+//! revalidation only when a job could send it (not of a stale user, whose
+//! own fetch comes first).
 
 mod common;
 
@@ -37,16 +39,83 @@ async fn queued(store: &Store, user: &str, next_attempt_ms: i64) {
 }
 
 /// Work of one server, at `NOW` and as the job's end looks (any time); a
-/// revalidation to send at `NOW`; the next work due.
+/// revalidation to send at `NOW`; the next work due. A stale user due at
+/// `NOW` is work now, whichever question asks.
 async fn work(store: &Store) -> (bool, bool, bool, Option<i64>) {
     let server = server_name!("remote.example");
     let ahead = store.work_ahead(server, NOW).await.unwrap();
+    let start = store.job_start(server, NOW, 100).await.unwrap();
+    let stale_due = !store
+        .due_stale_users(server, NOW, 1)
+        .await
+        .unwrap()
+        .is_empty();
+    assert_eq!(ahead.stale_due, stale_due, "work_ahead: a stale user due");
+    assert_eq!(
+        start.due,
+        store.due_stale_users(server, NOW, 100).await.unwrap(),
+        "job_start: the due stale users"
+    );
     (
         store.has_fetch_work(server, NOW).await.unwrap(),
         store.has_fetch_work(server, i64::MAX).await.unwrap(),
         ahead.revalidation_due,
         ahead.next_due_ms,
     )
+}
+
+/// A job start's wait: failures in a row and when the job may run.
+fn wait_of(start: &device_list_updater::store::JobStart) -> Option<(i32, i64)> {
+    start.wait.map(|wait| (wait.failures, wait.next_attempt_ms))
+}
+
+/// The server's wait as a job starts: read with its first due users in one
+/// statement, or alone when none is due; a row of another server is not
+/// this one's.
+async fn job_start_reads_the_wait(backend: common::Backend) {
+    let db = common::TestDb::new(backend).await;
+    let store = Store::connect(&db.url).await.unwrap();
+    store.migrate().await.unwrap();
+    let server = server_name!("remote.example");
+    let start = store.job_start(server, NOW, 100).await.unwrap();
+    assert_eq!(
+        (wait_of(&start), start.due.len()),
+        (None, 0),
+        "nothing stored"
+    );
+
+    sql(
+        &store,
+        "INSERT INTO fetch_server (server_name, failures, next_attempt_ms, failed_at_ms, last_wake_ms) \
+         VALUES ('other.example', 7, 5, 0, 0)",
+    )
+    .await;
+    stale(&store, "@a:remote.example", 0).await;
+    let start = store.job_start(server, NOW, 100).await.unwrap();
+    assert_eq!(
+        (wait_of(&start), start.due.len()),
+        (None, 1),
+        "no row of its own"
+    );
+
+    sql(
+        &store,
+        "INSERT INTO fetch_server (server_name, failures, next_attempt_ms, failed_at_ms, last_wake_ms) \
+         VALUES ('remote.example', 3, 42, 0, 0)",
+    )
+    .await;
+    let wait = Some((3, 42));
+    let start = store.job_start(server, NOW, 100).await.unwrap();
+    assert_eq!(wait_of(&start), wait, "with a due user");
+    assert_eq!(start.due[0].user.as_str(), "@a:remote.example");
+
+    // Users beyond the limit wait for the next round; a user in its own
+    // back-off is not due, and the wait is read without any.
+    stale(&store, "@b:remote.example", 0).await;
+    assert_eq!(store.job_start(server, NOW, 1).await.unwrap().due.len(), 1);
+    sql(&store, "UPDATE stale_user SET next_attempt_ms = 2000000").await;
+    let start = store.job_start(server, NOW, 100).await.unwrap();
+    assert_eq!((wait_of(&start), start.due.len()), (wait, 0), "no due user");
 }
 
 async fn job_work(backend: common::Backend) {
@@ -95,3 +164,4 @@ async fn job_work(backend: common::Backend) {
 }
 
 both_backends!(job_work_questions, job_work);
+both_backends!(job_start_wait, job_start_reads_the_wait);

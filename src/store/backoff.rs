@@ -36,18 +36,50 @@ struct WorkRow {
 }
 
 /// [`Store::work_ahead`]'s row: the first wait end of each kind, and
-/// whether a revalidation may be sent now.
+/// whether a stale user may be fetched or a revalidation sent now.
 #[derive(FromQueryResult)]
 struct AheadRow {
     stale: Option<i64>,
     revalidation: Option<i64>,
+    stale_due: bool,
     revalidation_due: bool,
+}
+
+/// [`Store::job_start`]'s row: a due stale user, and its server's wait.
+#[derive(FromQueryResult)]
+struct StartRow {
+    #[sea_orm(nested)]
+    user: stale_user::Model,
+    server_failures: Option<i32>,
+    server_next_attempt_ms: Option<i64>,
+}
+
+/// A server's stored wait, as its fetch job starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JobWait {
+    /// The server's failures in a row so far.
+    pub failures: i32,
+    /// When its job may run (Unix ms; 0: not waiting).
+    pub next_attempt_ms: i64,
+}
+
+/// What a fetch job reads as it starts ([`Store::job_start`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobStart {
+    /// The server's stored wait (None: nothing to wait for).
+    pub wait: Option<JobWait>,
+    /// Its first round of due stale users, as
+    /// [`Store::due_stale_users`] reads them.
+    pub due: Vec<DueUser>,
 }
 
 /// What a job whose due stale users are done has ahead of it
 /// ([`Store::work_ahead`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkAhead {
+    /// A stale user may be fetched now (one the job already asked for,
+    /// and that became stale again meanwhile, included).
+    pub stale_due: bool,
     /// A queued revalidation may be sent now.
     pub revalidation_due: bool,
     /// The first end of a wait of a stale user or a queued revalidation
@@ -91,22 +123,83 @@ impl Store {
             .limit(limit)
             .all(&self.db)
             .await?;
-        Ok(rows
-            .into_iter()
-            .filter_map(|row| {
-                let (user, mark) = rows::stale(&row)?;
-                Some(DueUser {
-                    user,
-                    mark,
-                    failures: u32::try_from(row.failures).unwrap_or(0),
-                })
-            })
-            .collect())
+        Ok(rows.iter().filter_map(due_user).collect())
+    }
+
+    /// What `server`'s fetch job reads as it starts at `now_ms`: the
+    /// server's stored wait, and its first `limit` due stale users (as
+    /// [`Store::due_stale_users`]). One statement when a stale user is due,
+    /// the common case (every job of a fan-out starts with one); a second
+    /// reads the wait alone when none is.
+    pub async fn job_start(
+        &self,
+        server: &ServerName,
+        now_ms: i64,
+        limit: u64,
+    ) -> Result<JobStart, DbErr> {
+        let wait_column = |column: fetch_server::Column| {
+            Query::select()
+                .column(column)
+                .from(fetch_server::Entity)
+                .and_where(fetch_server::Column::ServerName.eq(server.as_str()))
+                .to_owned()
+        };
+        let rows = self
+            .server_stale_users(server)
+            .filter(stale_user::Column::NextAttemptMs.lte(now_ms))
+            .expr_as(
+                wait_column(fetch_server::Column::Failures),
+                "server_failures",
+            )
+            .expr_as(
+                wait_column(fetch_server::Column::NextAttemptMs),
+                "server_next_attempt_ms",
+            )
+            .order_by_asc(stale_user::Column::MarkedAtMs)
+            .order_by_asc(stale_user::Column::UserId)
+            .limit(limit)
+            .into_model::<StartRow>()
+            .all(&self.db)
+            .await?;
+        let Some(first) = rows.first() else {
+            let wait = self.server_wait(server).await?;
+            return Ok(JobStart {
+                wait: wait.map(|wait| JobWait {
+                    failures: wait.failures,
+                    next_attempt_ms: wait.next_attempt_ms,
+                }),
+                due: Vec::new(),
+            });
+        };
+        let wait = first.server_failures.zip(first.server_next_attempt_ms).map(
+            |(failures, next_attempt_ms)| JobWait {
+                failures,
+                next_attempt_ms,
+            },
+        );
+        Ok(JobStart {
+            wait,
+            due: rows
+                .iter()
+                .map(|row| &row.user)
+                .filter_map(due_user)
+                .collect(),
+        })
     }
 
     /// Whether `server` has a stale user that may be fetched at `now_ms`.
     pub async fn has_due_user(&self, server: &ServerName, now_ms: i64) -> Result<bool, DbErr> {
         Ok(!self.due_stale_users(server, now_ms, 1).await?.is_empty())
+    }
+
+    /// Selects a row for each stale user of `server` a job may fetch at
+    /// `now_ms` (for `EXISTS`).
+    fn stale_due_query(&self, server: &ServerName, now_ms: i64) -> SelectStatement {
+        self.server_stale_users(server)
+            .select_only()
+            .expr(Expr::val(1))
+            .filter(stale_user::Column::NextAttemptMs.lte(now_ms))
+            .into_query()
     }
 
     /// Selects a row for each queued revalidation of `server` a job may
@@ -123,12 +216,7 @@ impl Store {
     /// queued revalidation (SPEC §5.7) whose own wait is over. One
     /// statement: every job asks it when it ends or parks.
     pub async fn has_fetch_work(&self, server: &ServerName, now_ms: i64) -> Result<bool, DbErr> {
-        let stale = self
-            .server_stale_users(server)
-            .select_only()
-            .expr(Expr::val(1))
-            .filter(stale_user::Column::NextAttemptMs.lte(now_ms))
-            .into_query();
+        let stale = self.stale_due_query(server, now_ms);
         let revalidations = self.revalidation_due_query(server, now_ms);
         let query = Query::select()
             .expr_as(
@@ -143,10 +231,11 @@ impl Store {
     }
 
     /// What `server`'s job has ahead of it at `now_ms`, once its due stale
-    /// users are done: whether a queued revalidation may be sent now, and
-    /// when the first stale user or revalidation still in its own wait is
-    /// due. One statement: every job asks it before it ends, so a job with
-    /// nothing left ends without a second look for revalidations.
+    /// users are done: whether a stale user became due meanwhile, whether
+    /// a queued revalidation may be sent now, and when the first stale user
+    /// or revalidation still in its own wait is due. One statement: every
+    /// job asks it before it ends, so a job with nothing left ends without
+    /// a second look for stale users or revalidations.
     pub async fn work_ahead(&self, server: &ServerName, now_ms: i64) -> Result<WorkAhead, DbErr> {
         let stale = self
             .server_stale_users(server)
@@ -160,10 +249,12 @@ impl Store {
             .column_as(revalidation::Column::NextAttemptMs.min(), "due")
             .filter(revalidation::Column::NextAttemptMs.gt(now_ms))
             .into_query();
+        let stale_due = self.stale_due_query(server, now_ms);
         let revalidation_due = self.revalidation_due_query(server, now_ms);
         let query = Query::select()
             .expr_as(stale, Alias::new("stale"))
             .expr_as(revalidations, Alias::new("revalidation"))
+            .expr_as(Expr::exists(stale_due), Alias::new("stale_due"))
             .expr_as(
                 Expr::exists(revalidation_due),
                 Alias::new("revalidation_due"),
@@ -173,6 +264,7 @@ impl Store {
             .one(&self.db)
             .await?;
         Ok(row.map_or_else(WorkAhead::default, |row| WorkAhead {
+            stale_due: row.stale_due,
             revalidation_due: row.revalidation_due,
             next_due_ms: row.stale.into_iter().chain(row.revalidation).min(),
         }))
@@ -334,4 +426,14 @@ impl Store {
             .count(&self.db)
             .await
     }
+}
+
+/// A stale row as a due user (None: not a user id, never stored).
+fn due_user(row: &stale_user::Model) -> Option<DueUser> {
+    let (user, mark) = rows::stale(row)?;
+    Some(DueUser {
+        user,
+        mark,
+        failures: u32::try_from(row.failures).unwrap_or(0),
+    })
 }

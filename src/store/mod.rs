@@ -18,6 +18,8 @@ mod rows;
 mod sharing;
 mod write;
 
+pub use backoff::{JobStart, JobWait};
+
 use std::collections::BTreeSet;
 use std::time::Duration;
 

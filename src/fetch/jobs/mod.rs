@@ -41,7 +41,7 @@ use super::writer::FetchWriter;
 use crate::bus::fetch_jobs::{self, FetchJob};
 use crate::faults::{Fault, Faults};
 use crate::shutdown::{AbortOnDrop, Shutdown};
-use crate::store::backoff::DueUser;
+use crate::store::backoff::{DueUser, WorkAhead};
 use crate::store::revalidate::DueRevalidation;
 use crate::store::{Store, now_ms};
 
@@ -223,13 +223,13 @@ impl Fetcher {
         // while under load, and an expired ack wait would hand the job to a
         // second replica while this one still runs it.
         let _keep_alive = keep_alive(&message, self.ack_wait / 3);
-        let Some(failures) = self.server_ready(&message, server).await else {
+        let Some((failures, first)) = self.server_ready(&message, server).await else {
             return;
         };
         self.metrics.fetches_in_flight(1);
         let span = tracing::info_span!("fetch_job", server = %server, failures);
         let end = self
-            .run_job(server, failures, turn, &shutdown)
+            .run_job(server, failures, first, turn, &shutdown)
             .instrument(span)
             .await;
         self.metrics.fetches_in_flight(-1);
@@ -237,20 +237,30 @@ impl Fetcher {
     }
 
     /// Whether the server's stored wait is over: its failures in a row so
-    /// far, or None once the message has been given back (the wait is not
-    /// over, or the database did not answer). The stored wait is the truth:
-    /// a job that arrives early (the rescan recreated a lost queue) waits
-    /// out the rest.
-    async fn server_ready(&self, message: &Message, server: &OwnedServerName) -> Option<u32> {
-        let wait = match self.in_turn(|| self.store.server_wait(server)).await {
-            Ok(wait) => wait,
+    /// far and its first round of due stale users (read with the wait, in
+    /// one statement), or None once the message has been given back (the
+    /// wait is not over, or the database did not answer). The stored wait
+    /// is the truth: a job that arrives early (the rescan recreated a lost
+    /// queue) waits out the rest.
+    async fn server_ready(
+        &self,
+        message: &Message,
+        server: &OwnedServerName,
+    ) -> Option<(u32, Vec<DueUser>)> {
+        let start = self
+            .in_turn(|| self.store.job_start(server, now_ms(), USERS_PER_ROUND))
+            .await;
+        let (wait, first) = match start {
+            Ok(start) => (start.wait, start.due),
             Err(e) => {
                 tracing::warn!(error = %e, %server, "cannot read the server's fetch state");
                 let _ = message.ack_with(AckKind::Nak(Some(LOCAL_RETRY))).await;
                 return None;
             }
         };
-        let Some(wait) = wait else { return Some(0) };
+        let Some(wait) = wait else {
+            return Some((0, first));
+        };
         let left = wait.next_attempt_ms - now_ms();
         if left > EARLY_TOLERANCE_MS {
             let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
@@ -265,7 +275,7 @@ impl Fetcher {
             let _ = message.ack_with(AckKind::Nak(Some(LOCAL_RETRY))).await;
             return None;
         }
-        Some(u32::try_from(wait.failures).unwrap_or(0))
+        Some((u32::try_from(wait.failures).unwrap_or(0), first))
     }
 
     /// Ends the job message as `end` says: acked, or given back with a delay.
@@ -334,11 +344,13 @@ impl Fetcher {
 
     /// Fetches the server's stale users whose own wait is over, then its
     /// queued revalidations, one request at a time. `failures`: the
-    /// server's failures in a row so far.
+    /// server's failures in a row so far; `first`: its first round of due
+    /// stale users, read as the job started.
     async fn run_job(
         &self,
         server: &OwnedServerName,
         failures: u32,
+        first: Vec<DueUser>,
         mut turn: Option<Turn>,
         shutdown: &Shutdown,
     ) -> JobEnd {
@@ -350,35 +362,34 @@ impl Fetcher {
             failures,
             backing_off: failures > 0,
         };
+        let mut read = Some(first);
         loop {
             if shutdown.is_requested() {
                 return JobEnd::Interrupted;
             }
             let limit = USERS_PER_ROUND + done.len() as u64;
-            let due = match self
-                .in_turn(|| self.store.due_stale_users(server, now_ms(), limit))
-                .await
-            {
-                Ok(users) => users,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot read stale users");
-                    return JobEnd::Local;
-                }
+            let due = match read.take() {
+                Some(due) => due,
+                None => match self
+                    .in_turn(|| self.store.due_stale_users(server, now_ms(), limit))
+                    .await
+                {
+                    Ok(users) => users,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot read stale users");
+                        return JobEnd::Local;
+                    }
+                },
             };
+            // Fewer than asked for: every due user is in hand. (A round
+            // of only users already fetched is always short: `limit`
+            // leaves room for all of them and a full round more.)
+            let every_due_read = (due.len() as u64) < limit;
             let todo: Vec<DueUser> = due
                 .into_iter()
                 .filter(|due| !done.contains(&due.user))
                 .collect();
-            if todo.is_empty() {
-                // Real work is done: a round of revalidations, if any.
-                match self
-                    .revalidate_round(&mut job, &mut done, &mut turn, shutdown)
-                    .await
-                {
-                    Some(end) => return end,
-                    None => continue,
-                }
-            }
+            let fetched_any = !todo.is_empty();
             for due in todo {
                 if let Some(end) = self
                     .ask(&mut job, Asked::Stale(&due), &mut turn, shutdown)
@@ -388,29 +399,46 @@ impl Fetcher {
                 }
                 done.insert(due.user);
             }
+            if !every_due_read {
+                continue;
+            }
+            // Real work is done: what is ahead, in one statement.
+            let ahead = match self
+                .in_turn(|| self.store.work_ahead(server, now_ms()))
+                .await
+            {
+                Ok(ahead) => ahead,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the job's work ahead");
+                    return JobEnd::Local;
+                }
+            };
+            if fetched_any && ahead.stale_due {
+                // Users became due while this round ran: another round.
+                continue;
+            }
+            match self
+                .revalidate_round(&mut job, ahead, &mut done, &mut turn, shutdown)
+                .await
+            {
+                Some(end) => return end,
+                None => continue,
+            }
         }
     }
 
     /// One round of the server's queued revalidations (SPEC §5.7), run once
-    /// no stale user is due: None to look for stale users again, or how the
-    /// job ends (nothing left: done or parked; no slot free; a failure).
+    /// no stale user is due (`ahead`: what the job has ahead of it): None
+    /// to look for stale users again, or how the job ends (nothing left:
+    /// done or parked; no slot free; a failure).
     async fn revalidate_round(
         &self,
         job: &mut Running<'_>,
+        ahead: WorkAhead,
         done: &mut BTreeSet<OwnedUserId>,
         turn: &mut Option<Turn>,
         shutdown: &Shutdown,
     ) -> Option<JobEnd> {
-        let ahead = match self
-            .in_turn(|| self.store.work_ahead(job.server, now_ms()))
-            .await
-        {
-            Ok(ahead) => ahead,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read the job's work ahead");
-                return Some(JobEnd::Local);
-            }
-        };
         if !ahead.revalidation_due {
             // The common end of a job: nothing queued to send, one statement.
             return Some(self.park_or_done(job.server, ahead.next_due_ms).await);
