@@ -56,6 +56,10 @@ async fn work(store: &Store) -> (bool, bool, bool, Option<i64>) {
         store.due_stale_users(server, NOW, 100).await.unwrap(),
         "job_start: the due stale users"
     );
+    // What is ahead comes with the due users, as `work_ahead` says it.
+    let start_ahead = start.ahead.map(|a| (a.revalidation_due, a.next_due_ms));
+    let expected = stale_due.then_some((ahead.revalidation_due, ahead.next_due_ms));
+    assert_eq!(start_ahead, expected, "job_start: what is ahead");
     (
         store.has_fetch_work(server, NOW).await.unwrap(),
         store.has_fetch_work(server, i64::MAX).await.unwrap(),

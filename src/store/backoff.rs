@@ -52,6 +52,9 @@ struct StartRow {
     user: stale_user::Model,
     server_failures: Option<i32>,
     server_next_attempt_ms: Option<i64>,
+    stale: Option<i64>,
+    revalidation: Option<i64>,
+    revalidation_due: bool,
 }
 
 /// A server's stored wait, as its fetch job starts.
@@ -71,6 +74,9 @@ pub struct JobStart {
     /// Its first round of due stale users, as
     /// [`Store::due_stale_users`] reads them.
     pub due: Vec<DueUser>,
+    /// What else is ahead of the job, as [`Store::work_ahead`] answers it,
+    /// read with the users; None when no stale user is due.
+    pub ahead: Option<WorkAhead>,
 }
 
 /// What a job whose due stale users are done has ahead of it
@@ -127,10 +133,11 @@ impl Store {
     }
 
     /// What `server`'s fetch job reads as it starts at `now_ms`: the
-    /// server's stored wait, and its first `limit` due stale users (as
-    /// [`Store::due_stale_users`]). One statement when a stale user is due,
-    /// the common case (every job of a fan-out starts with one); a second
-    /// reads the wait alone when none is.
+    /// server's stored wait, its first `limit` due stale users (as
+    /// [`Store::due_stale_users`]) and what else is ahead of it. One
+    /// statement when a stale user is due, the common case (every job of a
+    /// fan-out starts with one); a second reads the wait alone when none
+    /// is.
     pub async fn job_start(
         &self,
         server: &ServerName,
@@ -144,7 +151,7 @@ impl Store {
                 .and_where(fetch_server::Column::ServerName.eq(server.as_str()))
                 .to_owned()
         };
-        let rows = self
+        let mut select = self
             .server_stale_users(server)
             .filter(stale_user::Column::NextAttemptMs.lte(now_ms))
             .expr_as(
@@ -154,7 +161,11 @@ impl Store {
             .expr_as(
                 wait_column(fetch_server::Column::NextAttemptMs),
                 "server_next_attempt_ms",
-            )
+            );
+        for (column, alias) in self.ahead_columns(server, now_ms) {
+            select = select.expr_as(column, alias);
+        }
+        let rows = select
             .order_by_asc(stale_user::Column::MarkedAtMs)
             .order_by_asc(stale_user::Column::UserId)
             .limit(limit)
@@ -169,6 +180,7 @@ impl Store {
                     next_attempt_ms: wait.next_attempt_ms,
                 }),
                 due: Vec::new(),
+                ahead: None,
             });
         };
         let wait = first.server_failures.zip(first.server_next_attempt_ms).map(
@@ -177,8 +189,14 @@ impl Store {
                 next_attempt_ms,
             },
         );
+        let ahead = WorkAhead {
+            stale_due: true,
+            revalidation_due: first.revalidation_due,
+            next_due_ms: first.stale.into_iter().chain(first.revalidation).min(),
+        };
         Ok(JobStart {
             wait,
+            ahead: Some(ahead),
             due: rows
                 .iter()
                 .map(|row| &row.user)
@@ -237,6 +255,27 @@ impl Store {
     /// job asks it before it ends, so a job with nothing left ends without
     /// a second look for stale users or revalidations.
     pub async fn work_ahead(&self, server: &ServerName, now_ms: i64) -> Result<WorkAhead, DbErr> {
+        let stale_due = self.stale_due_query(server, now_ms);
+        let mut query = Query::select();
+        for (column, alias) in self.ahead_columns(server, now_ms) {
+            query.expr_as(column, Alias::new(alias));
+        }
+        query.expr_as(Expr::exists(stale_due), Alias::new("stale_due"));
+        let row = AheadRow::find_by_statement(self.db.get_database_backend().build(&query))
+            .one(&self.db)
+            .await?;
+        Ok(row.map_or_else(WorkAhead::default, |row| WorkAhead {
+            stale_due: row.stale_due,
+            revalidation_due: row.revalidation_due,
+            next_due_ms: row.stale.into_iter().chain(row.revalidation).min(),
+        }))
+    }
+
+    /// The columns of what is ahead of `server`'s job at `now_ms`, beside
+    /// its due stale users: the first wait end of a stale user and of a
+    /// queued revalidation still in their own wait, and whether a queued
+    /// revalidation may be sent now.
+    fn ahead_columns(&self, server: &ServerName, now_ms: i64) -> [(Expr, &'static str); 3] {
         let stale = self
             .server_stale_users(server)
             .select_only()
@@ -249,25 +288,12 @@ impl Store {
             .column_as(revalidation::Column::NextAttemptMs.min(), "due")
             .filter(revalidation::Column::NextAttemptMs.gt(now_ms))
             .into_query();
-        let stale_due = self.stale_due_query(server, now_ms);
         let revalidation_due = self.revalidation_due_query(server, now_ms);
-        let query = Query::select()
-            .expr_as(stale, Alias::new("stale"))
-            .expr_as(revalidations, Alias::new("revalidation"))
-            .expr_as(Expr::exists(stale_due), Alias::new("stale_due"))
-            .expr_as(
-                Expr::exists(revalidation_due),
-                Alias::new("revalidation_due"),
-            )
-            .to_owned();
-        let row = AheadRow::find_by_statement(self.db.get_database_backend().build(&query))
-            .one(&self.db)
-            .await?;
-        Ok(row.map_or_else(WorkAhead::default, |row| WorkAhead {
-            stale_due: row.stale_due,
-            revalidation_due: row.revalidation_due,
-            next_due_ms: row.stale.into_iter().chain(row.revalidation).min(),
-        }))
+        [
+            (stale.into(), "stale"),
+            (revalidations.into(), "revalidation"),
+            (Expr::exists(revalidation_due), "revalidation_due"),
+        ]
     }
 
     /// Records `user`'s own failure: `failures` in a row now, not to be

@@ -39,6 +39,7 @@ impl Fetcher {
         tracing::info!(%user, reason = %failure.reason, "fetch failed");
         let charged = blame(failure.kind);
         if charged == Blame::User {
+            job.users_failed += 1;
             // Its back-off and `last_error` in one write.
             self.user_failed(asked, &failure).await;
             return None;

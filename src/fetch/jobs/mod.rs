@@ -41,6 +41,7 @@ use super::writer::FetchWriter;
 use crate::bus::fetch_jobs::{self, FetchJob};
 use crate::faults::{Fault, Faults};
 use crate::shutdown::{AbortOnDrop, Shutdown};
+use crate::store::JobStart;
 use crate::store::backoff::{DueUser, WorkAhead};
 use crate::store::revalidate::DueRevalidation;
 use crate::store::{Store, now_ms};
@@ -104,11 +105,14 @@ enum Waiting {
 }
 
 /// A job in hand: its server, the server's failures in a row when it
-/// started, and whether the server is still in back-off.
+/// started, whether the server is still in back-off, and how many of its
+/// users failed.
 struct Running<'a> {
     server: &'a OwnedServerName,
     failures: u32,
     backing_off: bool,
+    /// Users of this job whose own request failed (each backs off alone).
+    users_failed: u32,
 }
 
 /// How one job ended.
@@ -223,13 +227,13 @@ impl Fetcher {
         // while under load, and an expired ack wait would hand the job to a
         // second replica while this one still runs it.
         let _keep_alive = keep_alive(&message, self.ack_wait / 3);
-        let Some((failures, first)) = self.server_ready(&message, server).await else {
+        let Some((failures, start)) = self.server_ready(&message, server).await else {
             return;
         };
         self.metrics.fetches_in_flight(1);
         let span = tracing::info_span!("fetch_job", server = %server, failures);
         let end = self
-            .run_job(server, failures, first, turn, &shutdown)
+            .run_job(server, failures, start, turn, &shutdown)
             .instrument(span)
             .await;
         self.metrics.fetches_in_flight(-1);
@@ -237,8 +241,8 @@ impl Fetcher {
     }
 
     /// Whether the server's stored wait is over: its failures in a row so
-    /// far and its first round of due stale users (read with the wait, in
-    /// one statement), or None once the message has been given back (the
+    /// far and what the job read with the wait (in one statement: its first
+    /// round of due stale users, and what else is ahead), or None once the message has been given back (the
     /// wait is not over, or the database did not answer). The stored wait
     /// is the truth: a job that arrives early (the rescan recreated a lost
     /// queue) waits out the rest.
@@ -246,12 +250,12 @@ impl Fetcher {
         &self,
         message: &Message,
         server: &OwnedServerName,
-    ) -> Option<(u32, Vec<DueUser>)> {
+    ) -> Option<(u32, JobStart)> {
         let start = self
             .in_turn(|| self.store.job_start(server, now_ms(), USERS_PER_ROUND))
             .await;
-        let (wait, first) = match start {
-            Ok(start) => (start.wait, start.due),
+        let (wait, start) = match start {
+            Ok(start) => (start.wait, start),
             Err(e) => {
                 tracing::warn!(error = %e, %server, "cannot read the server's fetch state");
                 let _ = message.ack_with(AckKind::Nak(Some(LOCAL_RETRY))).await;
@@ -259,7 +263,7 @@ impl Fetcher {
             }
         };
         let Some(wait) = wait else {
-            return Some((0, first));
+            return Some((0, start));
         };
         let left = wait.next_attempt_ms - now_ms();
         if left > EARLY_TOLERANCE_MS {
@@ -275,7 +279,7 @@ impl Fetcher {
             let _ = message.ack_with(AckKind::Nak(Some(LOCAL_RETRY))).await;
             return None;
         }
-        Some((u32::try_from(wait.failures).unwrap_or(0), first))
+        Some((u32::try_from(wait.failures).unwrap_or(0), start))
     }
 
     /// Ends the job message as `end` says: acked, or given back with a delay.
@@ -344,13 +348,14 @@ impl Fetcher {
 
     /// Fetches the server's stale users whose own wait is over, then its
     /// queued revalidations, one request at a time. `failures`: the
-    /// server's failures in a row so far; `first`: its first round of due
-    /// stale users, read as the job started.
+    /// server's failures in a row so far; `start`: what was read as the
+    /// job started (its first round of due stale users, and what else was
+    /// ahead).
     async fn run_job(
         &self,
         server: &OwnedServerName,
         failures: u32,
-        first: Vec<DueUser>,
+        start: JobStart,
         mut turn: Option<Turn>,
         shutdown: &Shutdown,
     ) -> JobEnd {
@@ -361,8 +366,10 @@ impl Fetcher {
             server,
             failures,
             backing_off: failures > 0,
+            users_failed: 0,
         };
-        let mut read = Some(first);
+        let mut read = Some(start.due);
+        let mut ahead_at_start = start.ahead;
         loop {
             if shutdown.is_requested() {
                 return JobEnd::Interrupted;
@@ -400,7 +407,19 @@ impl Fetcher {
                 done.insert(due.user);
             }
             if !every_due_read {
+                ahead_at_start = None;
                 continue;
+            }
+            // Nothing but these users was ahead as the job started, and
+            // each answered: the job is done without another look. Work
+            // queued meanwhile is found by the look after the ack
+            // (`end_job`), which enqueues the server's next job.
+            if let Some(ahead) = ahead_at_start.take()
+                && job.users_failed == 0
+                && !ahead.revalidation_due
+                && ahead.next_due_ms.is_none()
+            {
+                return JobEnd::Done;
             }
             // Real work is done: what is ahead, in one statement.
             let ahead = match self
