@@ -377,20 +377,13 @@ impl Fetcher {
             let limit = USERS_PER_ROUND + done.len() as u64;
             let due = match read.take() {
                 Some(due) => due,
-                None => match self
-                    .in_turn(|| self.store.due_stale_users(server, now_ms(), limit))
-                    .await
-                {
-                    Ok(users) => users,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot read stale users");
-                        return JobEnd::Local;
-                    }
+                None => match self.due_users(server, limit).await {
+                    Some(users) => users,
+                    None => return JobEnd::Local,
                 },
             };
-            // Fewer than asked for: every due user is in hand. (A round
-            // of only users already fetched is always short: `limit`
-            // leaves room for all of them and a full round more.)
+            // Fewer than asked for: every due user is in hand (`limit`
+            // leaves room for those fetched already and a full round).
             let every_due_read = (due.len() as u64) < limit;
             let todo: Vec<DueUser> = due
                 .into_iter()
@@ -422,15 +415,8 @@ impl Fetcher {
                 return JobEnd::Done;
             }
             // Real work is done: what is ahead, in one statement.
-            let ahead = match self
-                .in_turn(|| self.store.work_ahead(server, now_ms()))
-                .await
-            {
-                Ok(ahead) => ahead,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot read the job's work ahead");
-                    return JobEnd::Local;
-                }
+            let Some(ahead) = self.work_ahead(server).await else {
+                return JobEnd::Local;
             };
             if fetched_any && ahead.stale_due {
                 // Users became due while this round ran: another round.
@@ -444,6 +430,24 @@ impl Fetcher {
                 None => continue,
             }
         }
+    }
+
+    /// The server's stale users due now, at most `limit` (None: the
+    /// database did not answer).
+    async fn due_users(&self, server: &OwnedServerName, limit: u64) -> Option<Vec<DueUser>> {
+        self.in_turn(|| self.store.due_stale_users(server, now_ms(), limit))
+            .await
+            .inspect_err(|e| tracing::warn!(error = %e, "cannot read stale users"))
+            .ok()
+    }
+
+    /// What the server's job has ahead of it now (None: the database did
+    /// not answer).
+    async fn work_ahead(&self, server: &OwnedServerName) -> Option<WorkAhead> {
+        self.in_turn(|| self.store.work_ahead(server, now_ms()))
+            .await
+            .inspect_err(|e| tracing::warn!(error = %e, "cannot read the job's work ahead"))
+            .ok()
     }
 
     /// One round of the server's queued revalidations (SPEC §5.7), run once
