@@ -68,6 +68,18 @@ async fn work(store: &Store) -> (bool, bool, bool, Option<i64>) {
     )
 }
 
+/// Stores `server`'s wait: `failures` in a row, its job due at `next_attempt_ms`.
+async fn server_row(store: &Store, server: &str, failures: i32, next_attempt_ms: i64) {
+    sql(
+        store,
+        &format!(
+            "INSERT INTO fetch_server (server_name, failures, next_attempt_ms, failed_at_ms, last_wake_ms) \
+             VALUES ('{server}', {failures}, {next_attempt_ms}, 0, 0)"
+        ),
+    )
+    .await;
+}
+
 /// A job start's wait: failures in a row and when the job may run.
 fn wait_of(start: &device_list_updater::store::JobStart) -> Option<(i32, i64)> {
     start.wait.map(|wait| (wait.failures, wait.next_attempt_ms))
@@ -88,12 +100,7 @@ async fn job_start_reads_the_wait(backend: common::Backend) {
         "nothing stored"
     );
 
-    sql(
-        &store,
-        "INSERT INTO fetch_server (server_name, failures, next_attempt_ms, failed_at_ms, last_wake_ms) \
-         VALUES ('other.example', 7, 5, 0, 0)",
-    )
-    .await;
+    server_row(&store, "other.example", 7, 5).await;
     stale(&store, "@a:remote.example", 0).await;
     let start = store.job_start(server, NOW, 100).await.unwrap();
     assert_eq!(
@@ -102,12 +109,7 @@ async fn job_start_reads_the_wait(backend: common::Backend) {
         "no row of its own"
     );
 
-    sql(
-        &store,
-        "INSERT INTO fetch_server (server_name, failures, next_attempt_ms, failed_at_ms, last_wake_ms) \
-         VALUES ('remote.example', 3, 42, 0, 0)",
-    )
-    .await;
+    server_row(&store, "remote.example", 3, 42).await;
     let wait = Some((3, 42));
     let start = store.job_start(server, NOW, 100).await.unwrap();
     assert_eq!(wait_of(&start), wait, "with a due user");
