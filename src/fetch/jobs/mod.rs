@@ -63,6 +63,8 @@ const PULL_EXPIRY: Duration = Duration::from_secs(1);
 /// A job delivered this close to its server's wait end runs anyway (clock
 /// differences between replicas).
 const EARLY_TOLERANCE_MS: i64 = 50;
+/// The first wait before enqueueing a server's next job again.
+const ENQUEUE_RETRY_FIRST: Duration = Duration::from_millis(100);
 /// The wait after our own failure (the database did not answer).
 const LOCAL_RETRY: Duration = Duration::from_secs(1);
 
@@ -237,7 +239,7 @@ impl Fetcher {
             .instrument(span)
             .await;
         self.metrics.fetches_in_flight(-1);
-        self.end_job(&message, server, end).await;
+        self.end_job(&message, server, end, &shutdown).await;
     }
 
     /// Whether the server's stored wait is over: its failures in a row so
@@ -283,7 +285,13 @@ impl Fetcher {
     }
 
     /// Ends the job message as `end` says: acked, or given back with a delay.
-    async fn end_job(&self, message: &Message, server: &OwnedServerName, end: JobEnd) {
+    async fn end_job(
+        &self,
+        message: &Message,
+        server: &OwnedServerName,
+        end: JobEnd,
+        shutdown: &Shutdown,
+    ) {
         let delay = match end {
             JobEnd::Done => {
                 if let Err(e) = self.ack_done(message).await {
@@ -301,11 +309,11 @@ impl Fetcher {
                     .in_turn(|| self.store.has_fetch_work(server, i64::MAX))
                     .await
                 {
-                    Ok(true) => self.enqueue(server).await,
+                    Ok(true) => self.enqueue(server, shutdown).await,
                     Ok(false) => {}
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot check for stale users; enqueueing anyway");
-                        self.enqueue(server).await;
+                        self.enqueue(server, shutdown).await;
                     }
                 }
                 return;
@@ -340,9 +348,22 @@ impl Fetcher {
         Ok(())
     }
 
-    async fn enqueue(&self, server: &OwnedServerName) {
-        if let Err(e) = fetch_jobs::enqueue(&self.js, [server]).await {
-            tracing::warn!(error = %e, %server, "cannot re-enqueue a fetch job; the start-up rescan will");
+    /// Enqueues the server's next job after this one was acked. Nothing
+    /// else would (the work's own enqueue was refused while this job was
+    /// pending), so a failure (the stream's leader moving) is retried until
+    /// it succeeds; on shutdown the start-up rescan enqueues it.
+    async fn enqueue(&self, server: &OwnedServerName, shutdown: &Shutdown) {
+        let mut wait = ENQUEUE_RETRY_FIRST;
+        loop {
+            let Err(e) = fetch_jobs::enqueue(&self.js, [server]).await else {
+                return;
+            };
+            tracing::warn!(error = %e, %server, ?wait, "cannot enqueue the server's next fetch job; retrying");
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = shutdown.requested() => return,
+            }
+            wait = (wait * 2).min(LOCAL_RETRY * 5);
         }
     }
 
