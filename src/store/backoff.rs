@@ -93,6 +93,23 @@ pub struct WorkAhead {
     pub next_due_ms: Option<i64>,
 }
 
+impl WorkAhead {
+    /// From the columns of [`Store::ahead_columns`] (and whether a stale
+    /// user is due): the next work due is the first of the two waits.
+    fn new(
+        stale_due: bool,
+        revalidation_due: bool,
+        stale: Option<i64>,
+        revalidation: Option<i64>,
+    ) -> WorkAhead {
+        WorkAhead {
+            stale_due,
+            revalidation_due,
+            next_due_ms: stale.into_iter().chain(revalidation).min(),
+        }
+    }
+}
+
 impl Store {
     /// The stale users a fetch may ask for: all of them, or with membership
     /// on only those who share a room with us now (SPEC §5.2, §5.5.9). The
@@ -189,11 +206,12 @@ impl Store {
                 next_attempt_ms,
             },
         );
-        let ahead = WorkAhead {
-            stale_due: true,
-            revalidation_due: first.revalidation_due,
-            next_due_ms: first.stale.into_iter().chain(first.revalidation).min(),
-        };
+        let ahead = WorkAhead::new(
+            true,
+            first.revalidation_due,
+            first.stale,
+            first.revalidation,
+        );
         Ok(JobStart {
             wait,
             ahead: Some(ahead),
@@ -264,10 +282,13 @@ impl Store {
         let row = AheadRow::find_by_statement(self.db.get_database_backend().build(&query))
             .one(&self.db)
             .await?;
-        Ok(row.map_or_else(WorkAhead::default, |row| WorkAhead {
-            stale_due: row.stale_due,
-            revalidation_due: row.revalidation_due,
-            next_due_ms: row.stale.into_iter().chain(row.revalidation).min(),
+        Ok(row.map_or_else(WorkAhead::default, |row| {
+            WorkAhead::new(
+                row.stale_due,
+                row.revalidation_due,
+                row.stale,
+                row.revalidation,
+            )
         }))
     }
 

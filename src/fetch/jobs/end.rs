@@ -16,6 +16,8 @@ use crate::store::now_ms;
 
 /// The first wait before enqueueing a server's next job again.
 const ENQUEUE_RETRY_FIRST: Duration = Duration::from_millis(100);
+/// The longest wait between tries of that enqueue.
+const ENQUEUE_RETRY_MAX: Duration = Duration::from_secs(5);
 
 impl Fetcher {
     /// Ends the job message as `end` says: acked, or given back with a delay.
@@ -97,7 +99,7 @@ impl Fetcher {
                 () = tokio::time::sleep(wait) => {}
                 () = shutdown.requested() => return,
             }
-            wait = (wait * 2).min(LOCAL_RETRY * 5);
+            wait = (wait * 2).min(ENQUEUE_RETRY_MAX);
         }
     }
 }

@@ -243,8 +243,9 @@ impl Fetcher {
 
     /// Whether the server's stored wait is over: its failures in a row so
     /// far and what the job read with the wait (in one statement: its first
-    /// round of due stale users, and what else is ahead), or None once the message has been given back (the
-    /// wait is not over, or the database did not answer). The stored wait
+    /// round of due stale users, and what else is ahead), or None once the
+    /// message has been given back (the wait is not over, or the database
+    /// did not answer). The stored wait
     /// is the truth: a job that arrives early (the rescan recreated a lost
     /// queue) waits out the rest.
     async fn server_ready(
@@ -255,15 +256,15 @@ impl Fetcher {
         let start = self
             .in_turn(|| self.store.job_start(server, now_ms(), USERS_PER_ROUND))
             .await;
-        let (wait, start) = match start {
-            Ok(start) => (start.wait, start),
+        let start = match start {
+            Ok(start) => start,
             Err(e) => {
                 tracing::warn!(error = %e, %server, "cannot read the server's fetch state");
                 let _ = message.ack_with(AckKind::Nak(Some(LOCAL_RETRY))).await;
                 return None;
             }
         };
-        let Some(wait) = wait else {
+        let Some(wait) = start.wait else {
             return Some((0, start));
         };
         let left = wait.next_attempt_ms - now_ms();
