@@ -17,9 +17,9 @@ pub enum Fault {
     /// Not a crash: room sweeps do not run, so a test can see what holds
     /// between our server leaving a room and the sweep of its members.
     HoldSweeps,
-    /// Not a crash: a fetch job's final ack reaches NATS but its reply is
-    /// reported lost (as in a leader election), so the job ends as if the
-    /// ack had failed.
+    /// Not a crash: a finished fetch job is taken out of its stream but
+    /// the reply is reported lost (as in a leader election), so taking it
+    /// out is tried again.
     LoseJobAckReply,
 }
 

@@ -159,7 +159,7 @@ async fn leaders_killed_during_a_burst() {
     }
 
     assert_all_reflected_once(&js, conn).await;
-    assert_no_user_left_stale(&running, &remote).await;
+    assert_no_user_left_stale(&js, &running, &remote).await;
     wait_for(
         Duration::from_secs(30),
         "every newly stale user fetched",

@@ -80,7 +80,7 @@ async fn nats_restart_during_a_burst(backend: Backend) {
     nats.restart().await;
     let js = nats.js().await;
     assert_all_reflected_once(&js, running.store.connection()).await;
-    assert_no_user_left_stale(&running, &remote).await;
+    assert_no_user_left_stale(&js, &running, &remote).await;
     running.stop(Duration::from_secs(10)).await;
 }
 both_backends!(nats_restart, nats_restart_during_a_burst);
@@ -118,7 +118,7 @@ async fn postgres_unavailable_during_a_burst() {
         .await
         .expect("give it back");
     assert_all_reflected_once(&js, running.store.connection()).await;
-    assert_no_user_left_stale(&running, &remote).await;
+    assert_no_user_left_stale(&js, &running, &remote).await;
     running.stop(Duration::from_secs(10)).await;
 }
 
@@ -164,7 +164,7 @@ async fn postgres_stopped_during_a_burst() {
         restarted.elapsed().as_secs_f64()
     );
     assert_all_reflected_once(&js, running.store.connection()).await;
-    assert_no_user_left_stale(&running, &remote).await;
+    assert_no_user_left_stale(&js, &running, &remote).await;
     assert_eq!(common::http_status(addr, "/readyz").await, 200);
     running.stop(Duration::from_secs(10)).await;
 }

@@ -24,6 +24,10 @@ pub enum BusError {
         #[source]
         source: async_nats::Error,
     },
+    /// JetStream answered, but what was asked did not take effect (a
+    /// finished fetch job still in its stream); it is asked again.
+    #[error("{0}")]
+    NotApplied(String),
     /// Messages could not be routed to their input partitions in time
     /// (their input messages are given back, unacked).
     #[error("{0}")]

@@ -7,9 +7,10 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::Context;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::stream::{DeleteMessageErrorKind, RawMessageErrorKind};
+use async_nats::jetstream::{Context, Message};
 use async_nats::jetstream::{ErrorCode, stream::LastRawMessageErrorKind};
 use ruma::{OwnedServerName, ServerName};
 use serde::{Deserialize, Serialize};
@@ -109,6 +110,65 @@ pub async fn enqueue<'a>(
     Ok(())
 }
 
+/// Ends a finished job: removes its message from the stream, confirmed,
+/// then acks it, so the server's next job can be enqueued at once.
+///
+/// An ack alone does not free the server's subject in a cluster: there the
+/// stream removes an acked work-queue message through a proposal of its
+/// own, applied after the ack's reply, and until then it refuses the
+/// server's next job as a duplicate (a job lost, its users left stale). A
+/// delete is answered once applied, so when this returns the subject is
+/// free, and the job cannot be delivered again. The ack then clears the
+/// consumer's pending entry at once rather than at its ack wait.
+pub async fn finish(js: &Context, message: &Message) -> Result<(), BusError> {
+    let sequence = message
+        .info()
+        .map_err(|e| BusError::JetStream {
+            what: "a fetch job without its stream sequence".into(),
+            source: e,
+        })?
+        .stream_sequence;
+    let stream = js
+        .get_stream_no_info(FETCH_STREAM)
+        .await
+        .map_err(BusError::jetstream(format!(
+            "cannot open stream {FETCH_STREAM}"
+        )))?;
+    let removed = match stream.delete_message(sequence).await {
+        Ok(true) => true,
+        // Refused, or answered without success: removed already (a
+        // repeated call, whose first reply was lost), or not at all.
+        Ok(false) => false,
+        Err(e) if matches!(e.kind(), DeleteMessageErrorKind::JetStream(_)) => false,
+        Err(e) => {
+            return Err(BusError::jetstream(format!(
+                "cannot remove the finished fetch job {sequence}"
+            ))(e));
+        }
+    };
+    if !removed {
+        // Asked of the stream's leader, which answers from what it applied.
+        match stream.get_raw_message(sequence).await {
+            Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => {}
+            Ok(_) => {
+                return Err(BusError::NotApplied(format!(
+                    "the finished fetch job {sequence} is still in {FETCH_STREAM}"
+                )));
+            }
+            Err(e) => {
+                return Err(BusError::jetstream(format!(
+                    "cannot tell whether the finished fetch job {sequence} is removed"
+                ))(e));
+            }
+        }
+    }
+    // Without a reply: the delete was the confirmation.
+    message.ack().await.map_err(|e| BusError::JetStream {
+        what: "cannot ack a finished fetch job".into(),
+        source: e,
+    })
+}
+
 /// Replaces `server`'s pending job with a new one, deliverable at once: the
 /// old message (which may sit in a NAK delay on any replica's consumer) is
 /// deleted, which JetStream treats as the end of its delivery, and a new job
@@ -137,6 +197,56 @@ pub async fn replace(js: &Context, server: &OwnedServerName) -> Result<(), BusEr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// In a three-node cluster, the server's next job is stored whenever
+    /// it is enqueued right after [`finish`] returned (an ack alone left the
+    /// finished message in the stream for a moment, and the next job was
+    /// refused as a duplicate).
+    #[cfg(feature = "testkit")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_finished_job_frees_its_server_at_once() {
+        use futures::StreamExt as _;
+        let cluster = crate::testkit::cluster::NatsCluster::start(3).await;
+        let js = cluster.js().await;
+        let config = async_nats::jetstream::stream::Config {
+            num_replicas: 3,
+            ..super::super::streams::fetch_stream_config()
+        };
+        crate::testkit::wait_for(Duration::from_secs(30), "the fetch stream", || async {
+            js.get_or_create_stream(config.clone())
+                .await
+                .ok()
+                .map(|_| ())
+        })
+        .await;
+        let consumer = consumer(&js, Duration::from_secs(30))
+            .await
+            .expect("consumer");
+        let stream = js.get_stream(FETCH_STREAM).await.expect("stream");
+        let server = OwnedServerName::try_from("remote.example").expect("a server name");
+        enqueue(&js, [&server]).await.expect("first job");
+        for round in 0..200 {
+            let mut pull = consumer
+                .batch()
+                .max_messages(1)
+                .expires(Duration::from_secs(5))
+                .messages()
+                .await
+                .expect("pull");
+            let job = pull.next().await.expect("a job").expect("readable");
+            let finished = job.info().expect("info").stream_sequence;
+            finish(&js, &job).await.expect("finished");
+            enqueue(&js, [&server]).await.expect("enqueued");
+            let next = stream
+                .get_last_raw_message_by_subject(&subject(&server))
+                .await
+                .map(|m| m.sequence);
+            assert!(
+                next.as_ref().is_ok_and(|next| *next > finished),
+                "round {round}: the next job was not stored after job {finished} finished: {next:?}"
+            );
+        }
+    }
 
     #[test]
     fn every_server_has_its_own_subject() {

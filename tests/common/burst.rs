@@ -233,14 +233,57 @@ pub async fn start_and_let_a_fifth_through(
 /// Every user marked stale is fetched again within the back-off's reach
 /// (`common::config` caps it at 2 s; the bound here leaves room for a slow
 /// machine).
-pub async fn assert_no_user_left_stale(running: &worker::Running, remote: &MockFederation) {
-    wait_for(
-        Duration::from_secs(30),
-        "every stale user fetched",
-        || async {
-            let asked = (0..STALE_USERS).all(|u| remote.requests(&stale_user(u)) > 0);
-            (asked && running.store.stale_user_count().await.ok()? == 0).then_some(())
-        },
+pub async fn assert_no_user_left_stale(
+    js: &jetstream::Context,
+    running: &worker::Running,
+    remote: &MockFederation,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let asked = (0..STALE_USERS).all(|u| remote.requests(&stale_user(u)) > 0);
+        if asked && running.store.stale_user_count().await.ok() == Some(0) {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!(
+                "timed out waiting for every stale user fetched\n{}",
+                fetch_state(js, running.store.connection(), remote).await
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What the fetch queue holds, for a failure's message: the users still
+/// stale, the servers' waits, the jobs in `DEVICE_LIST_FETCH` and its
+/// consumer's state, and the stale users never asked for.
+async fn fetch_state(
+    js: &jetstream::Context,
+    db: &sea_orm::DatabaseConnection,
+    remote: &MockFederation,
+) -> String {
+    let stale = entity::stale_user::Entity::find().all(db).await;
+    let servers = entity::fetch_server::Entity::find().all(db).await;
+    let never_asked: Vec<String> = (0..STALE_USERS)
+        .map(stale_user)
+        .filter(|u| remote.requests(u) == 0)
+        .collect();
+    let (jobs, consumer) = match js.get_stream("DEVICE_LIST_FETCH").await {
+        Ok(mut stream) => {
+            let state = stream.info().await.map(|i| format!("{:?}", i.state));
+            let consumer = match stream
+                .get_consumer::<jetstream::consumer::pull::Config>("device-list-updater-fetch")
+                .await
+            {
+                Ok(mut c) => format!("{:?}", c.info().await.cloned()),
+                Err(e) => format!("{e}"),
+            };
+            (format!("{state:?}"), consumer)
+        }
+        Err(e) => (format!("{e}"), String::new()),
+    };
+    format!(
+        "stale: {stale:#?}\nservers: {servers:#?}\nnever asked: {never_asked:?}\n\
+         fetch stream: {jobs}\nfetch consumer: {consumer}"
     )
-    .await;
 }

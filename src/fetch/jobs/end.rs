@@ -1,7 +1,7 @@
-//! How a job ends (SPEC §5.2): acked when its work is done, then the
-//! server's next job enqueued if work was queued while it ran; or given
-//! back with a delay (parked, the server backing off, our own failure,
-//! stopping).
+//! How a job ends (SPEC §5.2): taken out of the stream when its work is
+//! done, then the server's next job enqueued if work was queued while it
+//! ran; or given back with a delay (parked, the server backing off, our
+//! own failure, stopping).
 
 use std::time::Duration;
 
@@ -9,15 +9,16 @@ use async_nats::jetstream::{AckKind, Message};
 use ruma::OwnedServerName;
 
 use super::{Fetcher, JobEnd, LOCAL_RETRY, PULL_EXPIRY};
-use crate::bus::fetch_jobs;
+use crate::bus::{BusError, fetch_jobs};
 use crate::faults::Fault;
 use crate::shutdown::Shutdown;
 use crate::store::now_ms;
 
-/// The first wait before enqueueing a server's next job again.
-const ENQUEUE_RETRY_FIRST: Duration = Duration::from_millis(100);
-/// The longest wait between tries of that enqueue.
-const ENQUEUE_RETRY_MAX: Duration = Duration::from_secs(5);
+/// The first wait before taking out a finished job, or enqueueing a
+/// server's next job, again.
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+/// The longest wait between those tries.
+const RETRY_MAX: Duration = Duration::from_secs(5);
 
 impl Fetcher {
     /// Ends the job message as `end` says: acked, or given back with a delay.
@@ -30,17 +31,12 @@ impl Fetcher {
     ) {
         let delay = match end {
             JobEnd::Done => {
-                if let Err(e) = self.ack_done(message).await {
-                    // The ack may still have reached NATS (its reply lost
-                    // in a leader election): the job may be gone, so look
-                    // below as after an ack. If it is not gone, it runs
-                    // again and the enqueue is refused as a duplicate.
-                    tracing::warn!(error = %e, %server, "fetch job ack failed; it may run again");
-                }
+                self.finish(message, server, shutdown).await;
                 // Users marked stale while this job was in hand could not
-                // enqueue a second job for the server: look again.
-                // Any stale user or revalidation counts, due or still in
-                // its own back-off.
+                // enqueue a second job for the server: look again, now
+                // that the job is out of the stream (a job enqueued from
+                // here on is stored). Any stale user or revalidation
+                // counts, due or still in its own back-off.
                 match self
                     .in_turn(|| self.store.has_fetch_work(server, i64::MAX))
                     .await
@@ -75,31 +71,68 @@ impl Fetcher {
         let _ = message.ack_with(AckKind::Nak(Some(delay))).await;
     }
 
-    /// Acks a finished job, waiting for NATS to confirm it.
-    async fn ack_done(&self, message: &Message) -> Result<(), async_nats::Error> {
-        message.double_ack().await?;
-        if self.faults.is_armed(Fault::LoseJobAckReply) {
-            return Err("fault injection: the ack's reply was lost".into());
+    /// Takes the finished job out of the stream ([`fetch_jobs::finish`]),
+    /// retried until it is out: until then the server's next job would be
+    /// refused as a duplicate. On shutdown it is left to the consumer (it
+    /// runs again, finding nothing left, or the start-up rescan finds the
+    /// work).
+    async fn finish(&self, message: &Message, server: &OwnedServerName, shutdown: &Shutdown) {
+        // Injected, the first try's reply is lost.
+        let mut lose_reply = self.faults.is_armed(Fault::LoseJobAckReply);
+        self.retried(server, shutdown, "take out the finished fetch job", || {
+            self.finish_once(message, std::mem::take(&mut lose_reply))
+        })
+        .await;
+    }
+
+    /// One try of [`Fetcher::finish`]; `lose_reply`: report it failed.
+    async fn finish_once(&self, message: &Message, lose_reply: bool) -> Result<(), BusError> {
+        fetch_jobs::finish(&self.js, message).await?;
+        if lose_reply {
+            return Err(BusError::NotApplied(
+                "fault injection: the reply of the job's removal was lost".into(),
+            ));
         }
         Ok(())
     }
 
-    /// Enqueues the server's next job after this one was acked. Nothing
-    /// else would (the work's own enqueue was refused while this job was
-    /// pending), so a failure (the stream's leader moving) is retried until
-    /// it succeeds; on shutdown the start-up rescan enqueues it.
+    /// Enqueues the server's next job after this one was taken out.
+    /// Nothing else would (the work's own enqueue was refused while this
+    /// job was pending), so a failure (the stream's leader moving) is
+    /// retried until it succeeds; on shutdown the start-up rescan enqueues
+    /// it.
     async fn enqueue(&self, server: &OwnedServerName, shutdown: &Shutdown) {
-        let mut wait = ENQUEUE_RETRY_FIRST;
+        self.retried(
+            server,
+            shutdown,
+            "enqueue the server's next fetch job",
+            || fetch_jobs::enqueue(&self.js, [server]),
+        )
+        .await;
+    }
+
+    /// Runs `step` until it succeeds or the worker stops, waiting longer
+    /// after each failure (from `RETRY_FIRST` to `RETRY_MAX`).
+    async fn retried<F>(
+        &self,
+        server: &OwnedServerName,
+        shutdown: &Shutdown,
+        what: &str,
+        mut step: impl FnMut() -> F,
+    ) where
+        F: std::future::Future<Output = Result<(), BusError>>,
+    {
+        let mut wait = RETRY_FIRST;
         loop {
-            let Err(e) = fetch_jobs::enqueue(&self.js, [server]).await else {
+            let Err(e) = step().await else {
                 return;
             };
-            tracing::warn!(error = %e, %server, ?wait, "cannot enqueue the server's next fetch job; retrying");
+            tracing::warn!(error = %e, %server, ?wait, "cannot {what}; retrying");
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
                 () = shutdown.requested() => return,
             }
-            wait = (wait * 2).min(ENQUEUE_RETRY_MAX);
+            wait = (wait * 2).min(RETRY_MAX);
         }
     }
 }
