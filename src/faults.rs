@@ -21,6 +21,9 @@ pub enum Fault {
     /// the reply is reported lost (as in a leader election), so taking it
     /// out is tried again.
     LoseJobAckReply,
+    /// Not a crash: a woken fetch job's waiting message is deleted, but the
+    /// publish of the job replacing it fails (as in a leader election).
+    FailWakePublish,
 }
 
 /// The fault a worker was configured with (none outside test builds).

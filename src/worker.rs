@@ -21,7 +21,7 @@ use crate::fetch::give_way::IngestBacklog;
 use crate::fetch::jobs::Fetcher;
 use crate::fetch::queue::FetchQueue;
 use crate::fetch::retry::RetryPolicy;
-use crate::fetch::wake::Wakeups;
+use crate::fetch::wake::{WakeChecker, Wakeups};
 use crate::fetch::writer::FetchWriter;
 use crate::http::{self, Health};
 use crate::ingest::{Feed, Ingest, PartitionDealer, Presence};
@@ -274,13 +274,15 @@ impl Tasks {
         };
         self.set.spawn(fetcher.run(consumer, self.shutdown.clone()));
         let wakeups = Wakeups::default();
-        self.set.spawn(wakeups.clone().run(
-            self.store.clone(),
-            self.js.clone(),
-            settings.retry_min,
-            self.metrics.clone(),
-            self.shutdown.clone(),
-        ));
+        let checker = WakeChecker {
+            store: self.store.clone(),
+            js: self.js.clone(),
+            min_gap: settings.retry_min,
+            metrics: self.metrics.clone(),
+            faults: self.faults,
+        };
+        self.set
+            .spawn(wakeups.clone().run(checker, self.shutdown.clone()));
         FetchQueue::new(self.js.clone(), wakeups)
     }
 

@@ -2,7 +2,8 @@
 //! user's own failures back off that user alone, asked waits and
 //! `DLU_RETRY_MIN` are floors, an update from a server in back-off ends it
 //! (across replicas, without a storm), a restart keeps the wait, a lost fetch
-//! queue is rebuilt, a job's lost ack reply strands nobody, and user ids
+//! queue is rebuilt, a woken job whose replacement is not published at
+//! first still runs, a job's lost ack reply strands nobody, and user ids
 //! are percent-encoded in the path. Real nats-server, SQLite and
 //! PostgreSQL, and a mock fleet that checks every X-Matrix signature and its
 //! destination.
@@ -228,10 +229,13 @@ both_backends!(asked_waits, asked_waits_are_floors);
 
 /// A server in a 40 s back-off comes back and sends an update: every stale
 /// user of it is fresh within seconds, on one replica or two.
-async fn update_ends_back_off(backend: Backend, replicas: usize) {
+/// With `fault`, the woken job's waiting message is deleted but the job
+/// replacing it is not published at first: it is enqueued all the same.
+async fn update_ends_back_off(backend: Backend, replicas: usize, fault: Option<Fault>) {
     let env = Env::start(backend, &[SERVER], Duration::ZERO, |c| {
         c.settings.retry_min = Duration::from_secs(40);
         c.settings.retry_max = Duration::from_secs(60);
+        c.settings.fault = fault;
     })
     .await;
     let mut others = Vec::new();
@@ -270,8 +274,15 @@ async fn update_ends_back_off(backend: Backend, replicas: usize) {
         other.stop(Duration::from_secs(10)).await;
     }
 }
-both_backends!(update_wakes, |b| update_ends_back_off(b, 1));
-both_backends!(update_wakes_two_replicas, |b| update_ends_back_off(b, 2));
+both_backends!(update_wakes, |b| update_ends_back_off(b, 1, None));
+both_backends!(update_wakes_two_replicas, |b| update_ends_back_off(
+    b, 2, None
+));
+both_backends!(woken_job_not_published, |b| update_ends_back_off(
+    b,
+    1,
+    Some(Fault::FailWakePublish)
+));
 
 /// A flapping server sends a storm of updates while it keeps failing: one
 /// request in flight at a time, and at most one wake-up per `DLU_RETRY_MIN`.

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use super::BusError;
 use super::streams::FETCH_STREAM;
+use crate::faults::{Fault, Faults};
 
 /// Durable name of the fetch-job consumer, shared by all replicas.
 pub const FETCH_CONSUMER: &str = "device-list-updater-fetch";
@@ -173,8 +174,14 @@ pub async fn finish(js: &Context, message: &Message) -> Result<(), BusError> {
 /// old message (which may sit in a NAK delay on any replica's consumer) is
 /// deleted, which JetStream treats as the end of its delivery, and a new job
 /// is published. Only for a job that is waiting, never for one that runs:
-/// the caller has ended the wait in the database first.
-pub async fn replace(js: &Context, server: &OwnedServerName) -> Result<(), BusError> {
+/// the caller has ended the wait in the database first. Once the old
+/// message is deleted only the new one stands for the server's work, so
+/// on an error the caller enqueues the job until it is stored.
+pub async fn replace(
+    js: &Context,
+    server: &OwnedServerName,
+    faults: Faults,
+) -> Result<(), BusError> {
     let stream = fetch_stream(js).await?;
     match stream
         .get_last_raw_message_by_subject(&subject(server))
@@ -190,6 +197,11 @@ pub async fn replace(js: &Context, server: &OwnedServerName) -> Result<(), BusEr
                 "cannot find the fetch job of {server}"
             ))(e));
         }
+    }
+    if faults.is_armed(Fault::FailWakePublish) {
+        return Err(BusError::NotApplied(
+            "fault injection: the replacing job was not published".into(),
+        ));
     }
     enqueue(js, [server]).await
 }

@@ -21,7 +21,13 @@ use ruma::OwnedServerName;
 
 use super::wake::{WakeError, Wakeups, wake_round};
 use crate::bus::fetch_jobs;
+use crate::faults::Faults;
 use crate::store::Store;
+
+/// Tries of enqueueing a woken job in a process without a wake-up task.
+const INLINE_TRIES: u32 = 20;
+/// The wait between those tries.
+const INLINE_WAIT: Duration = Duration::from_millis(500);
 
 /// Where parked jobs are checked.
 #[derive(Clone)]
@@ -72,10 +78,34 @@ impl FetchQueue {
             Waker::Inline { store, min_gap } => {
                 let noted: BTreeMap<OwnedServerName, Option<i64>> =
                     servers.into_iter().map(|s| (s.clone(), None)).collect();
-                wake_round(store, &self.js, &noted, *min_gap).await?;
+                let woken = wake_round(store, &self.js, &noted, *min_gap, Faults::default()).await;
+                if let Err(WakeError::Unqueued { server, source }) = woken {
+                    // No wake-up task here to enqueue it later: now.
+                    if !self.enqueue_woken(&server).await {
+                        return Err(WakeError::Unqueued { server, source });
+                    }
+                } else {
+                    woken?;
+                }
             }
         }
         Ok(())
+    }
+
+    /// Enqueues the job of `server`, woken but not enqueued, trying a few
+    /// times over some seconds (a leader election); false if it never
+    /// succeeded (its users wait for a worker's start-up rescan).
+    async fn enqueue_woken(&self, server: &OwnedServerName) -> bool {
+        for _ in 0..INLINE_TRIES {
+            match fetch_jobs::enqueue(&self.js, [server]).await {
+                Ok(()) => return true,
+                Err(e) => {
+                    tracing::warn!(error = %e, %server, "woken fetch job not enqueued; retrying")
+                }
+            }
+            tokio::time::sleep(INLINE_WAIT).await;
+        }
+        false
     }
 
     /// The wake-up task's notes, for input that came from a server itself

@@ -13,9 +13,11 @@
 //! (in a NAK delay on whichever replica's consumer) is replaced by one that
 //! is deliverable at once ([`crate::bus::fetch_jobs::replace`]). A job that
 //! is running is never waiting, so it is never replaced: one request per
-//! server at a time still holds.
+//! server at a time still holds. A server whose wait was ended but whose
+//! new job was not stored (the old message may be gone) is enqueued again
+//! before each later round until it is: no round would see it waiting.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -23,6 +25,7 @@ use async_nats::jetstream::Context;
 use ruma::{OwnedServerName, ServerName};
 use tokio::sync::Notify;
 
+use crate::faults::Faults;
 use crate::shutdown::Shutdown;
 
 use crate::bus::fetch_jobs;
@@ -133,43 +136,26 @@ impl Wakeups {
     }
 
     /// Checks noted servers until `shutdown` turns true.
-    pub async fn run(
-        self,
-        store: Store,
-        js: Context,
-        min_gap: Duration,
-        metrics: Metrics,
-        shutdown: Shutdown,
-    ) {
+    pub async fn run(self, checker: WakeChecker, shutdown: Shutdown) {
+        // Servers woken whose job is not stored yet (see
+        // [`WakeError::Unqueued`]): enqueued before each round until it is.
+        let mut unqueued: BTreeSet<OwnedServerName> = BTreeSet::new();
         loop {
-            tokio::select! {
-                () = self.inner.notify.notified() => {}
-                () = shutdown.requested() => return,
+            if unqueued.is_empty() {
+                tokio::select! {
+                    () = self.inner.notify.notified() => {}
+                    () = shutdown.requested() => return,
+                }
+            }
+            if !unqueued.is_empty() {
+                match fetch_jobs::enqueue(&checker.js, &unqueued).await {
+                    Ok(()) => unqueued.clear(),
+                    Err(e) => tracing::warn!(error = %e, "woken fetch jobs not enqueued; retrying"),
+                }
             }
             let noted = self.take();
-            if noted.is_empty() {
-                continue;
-            }
-            match wake_round(&store, &js, &noted, min_gap).await {
-                Ok(woken) => {
-                    for (server, wake) in woken {
-                        tracing::info!(%server, reason = wake.as_str(), "fetch job woken");
-                        metrics.wakeup(wake.as_str());
-                    }
-                }
-                Err(e) => {
-                    // Put them back for the next round.
-                    tracing::warn!(error = %e, "wake-up check failed; retrying");
-                    let mut pending = self
-                        .inner
-                        .pending
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    for (server, heard_at) in noted {
-                        let entry = pending.entry(server).or_default();
-                        *entry = (*entry).max(heard_at);
-                    }
-                }
+            if !noted.is_empty() {
+                self.round(&checker, noted, &mut unqueued).await;
             }
             tokio::select! {
                 () = tokio::time::sleep(ROUND_PAUSE) => {}
@@ -177,6 +163,62 @@ impl Wakeups {
             }
         }
     }
+
+    /// One round over `noted`: wakes what may be woken; on a failure, puts
+    /// the servers back for the next round, and a server woken but not
+    /// enqueued into `unqueued`.
+    async fn round(
+        &self,
+        checker: &WakeChecker,
+        noted: BTreeMap<OwnedServerName, Option<i64>>,
+        unqueued: &mut BTreeSet<OwnedServerName>,
+    ) {
+        let result = wake_round(
+            &checker.store,
+            &checker.js,
+            &noted,
+            checker.min_gap,
+            checker.faults,
+        )
+        .await;
+        match result {
+            Ok(woken) => {
+                for (server, wake) in woken {
+                    tracing::info!(%server, reason = wake.as_str(), "fetch job woken");
+                    checker.metrics.wakeup(wake.as_str());
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "wake-up check failed; retrying");
+                if let WakeError::Unqueued { server, .. } = &e {
+                    unqueued.insert(server.clone());
+                }
+                let mut pending = self
+                    .inner
+                    .pending
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                for (server, heard_at) in noted {
+                    let entry = pending.entry(server).or_default();
+                    *entry = (*entry).max(heard_at);
+                }
+            }
+        }
+    }
+}
+
+/// What the wake-up task checks with.
+pub struct WakeChecker {
+    /// The database.
+    pub store: Store,
+    /// JetStream, to replace jobs.
+    pub js: Context,
+    /// `DLU_RETRY_MIN`: at most one back-off ended per server this often.
+    pub min_gap: Duration,
+    /// Wake-up counters.
+    pub metrics: Metrics,
+    /// Injected faults (test builds only).
+    pub faults: Faults,
 }
 
 /// Why a wake-up round failed (it is retried with the next round).
@@ -188,6 +230,17 @@ pub enum WakeError {
     /// Replacing the job.
     #[error(transparent)]
     Bus(#[from] crate::bus::BusError),
+    /// The server's wait was ended but its job not replaced: the old
+    /// message may be gone, and no later round sees the server waiting, so
+    /// the caller enqueues its job until it is stored.
+    #[error("the fetch job of {server} was woken but not enqueued: {source}")]
+    Unqueued {
+        /// The server whose job is to be enqueued.
+        server: OwnedServerName,
+        /// Why the replacing job was not stored.
+        #[source]
+        source: crate::bus::BusError,
+    },
 }
 
 /// One check of `noted` servers (→ when heard from itself): ends the waits that
@@ -197,6 +250,7 @@ pub async fn wake_round(
     js: &Context,
     noted: &BTreeMap<OwnedServerName, Option<i64>>,
     min_gap: Duration,
+    faults: Faults,
 ) -> Result<Vec<(OwnedServerName, Wake)>, WakeError> {
     let now = now_ms();
     let servers: Vec<&ServerName> = noted.keys().map(|s| &**s).collect();
@@ -216,7 +270,9 @@ pub async fn wake_round(
             // Another replica woke it, or its job changed it: nothing to do.
             continue;
         }
-        fetch_jobs::replace(js, &server).await?;
+        if let Err(source) = fetch_jobs::replace(js, &server, faults).await {
+            return Err(WakeError::Unqueued { server, source });
+        }
         woken.push((server, wake));
     }
     Ok(woken)
