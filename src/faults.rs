@@ -24,6 +24,11 @@ pub enum Fault {
     /// Not a crash: a woken fetch job's waiting message is deleted, but the
     /// publish of the job replacing it fails (as in a leader election).
     FailWakePublish,
+    /// Not a crash: the revalidation pacer queues revalidations but the
+    /// jobs of their servers are not enqueued at first.
+    FailRevalidationEnqueue,
+    /// Not a crash: the start-up rescan's first enqueue fails.
+    FailRescanEnqueue,
 }
 
 /// The fault a worker was configured with (none outside test builds).

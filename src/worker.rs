@@ -306,11 +306,12 @@ impl Tasks {
 
     /// The start-up rescan of users still stale (SPEC §5.2).
     fn startup_rescan(&mut self, queue: FetchQueue, spread: Duration) {
-        self.set.spawn(rescan_stale(
+        self.set.spawn(crate::fetch::rescan::rescan_stale(
             queue,
             self.store.clone(),
             spread,
             self.shutdown.clone(),
+            self.faults,
         ));
     }
 
@@ -333,6 +334,7 @@ impl Tasks {
             leases,
             replica,
             lease_ttl: settings.lease_ttl,
+            faults: self.faults,
         };
         self.set.spawn(revalidator.run(self.shutdown.clone()));
     }
@@ -474,50 +476,4 @@ async fn connect(config: &Config, tracking: Tracking) -> Result<Connected, Start
         http_addr,
         warnings,
     })
-}
-
-/// Start-up rescan (SPEC §5.2): hands every server that still has stale
-/// users or queued revalidations to the fetch queue (a parked job with a user due runs now), spread evenly over `spread` so a restart does not
-/// hit every remote server at once. Jobs already queued are refused by the
-/// stream, so replicas starting together do no double work.
-async fn rescan_stale(queue: FetchQueue, store: Store, spread: Duration, stop: Shutdown) {
-    let servers = async {
-        let mut servers = store.servers_with_stale_users().await?;
-        servers.extend(store.servers_with_revalidations().await?);
-        servers.sort_unstable();
-        servers.dedup();
-        Ok::<_, DbErr>(servers)
-    };
-    let servers = match servers.await {
-        Ok(servers) => servers,
-        Err(e) => {
-            tracing::warn!(error = %e, "start-up rescan failed; stale users wait for their next update");
-            return;
-        }
-    };
-    let servers: Vec<ruma::OwnedServerName> = servers
-        .into_iter()
-        .filter_map(|s| ruma::OwnedServerName::try_from(s).ok())
-        .collect();
-    if servers.is_empty() {
-        return;
-    }
-    tracing::info!(
-        servers = servers.len(),
-        ?spread,
-        "fetching users still stale from before the start"
-    );
-    let step = spread / u32::try_from(servers.len()).unwrap_or(u32::MAX);
-    for (i, server) in servers.iter().enumerate() {
-        if i > 0 && !step.is_zero() {
-            // Pacing, not synchronisation: the spread is the point.
-            tokio::select! {
-                () = tokio::time::sleep(step) => {}
-                () = stop.requested() => return,
-            }
-        }
-        if let Err(e) = queue.stale([server]).await {
-            tracing::warn!(error = %e, %server, "start-up rescan could not enqueue a job");
-        }
-    }
 }

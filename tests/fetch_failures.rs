@@ -347,9 +347,13 @@ both_backends!(restart_lost_queue_in_back_off, |b| restart_keeps_the_wait(
 ));
 
 /// The fetch stream deleted while the worker is stopped: its stale users are
-/// fetched after the start all the same.
-async fn lost_queue_is_rebuilt(backend: Backend) {
-    let env = Env::start(backend, &[SERVER], Duration::ZERO, |_| {}).await;
+/// fetched after the start all the same, also when (`fault`) the start-up
+/// rescan's first enqueue fails.
+async fn lost_queue_is_rebuilt(backend: Backend, fault: Option<Fault>) {
+    let env = Env::start(backend, &[SERVER], Duration::ZERO, |c| {
+        c.settings.fault = fault;
+    })
+    .await;
     let users = good_users();
     // The first user's request hangs, so the job is in hand at the stop.
     env.fleet
@@ -372,7 +376,11 @@ async fn lost_queue_is_rebuilt(backend: Backend) {
     }
     env.wait_fresh(&users[0], 2).await;
 }
-both_backends!(lost_queue, lost_queue_is_rebuilt);
+both_backends!(lost_queue, |b| lost_queue_is_rebuilt(b, None));
+both_backends!(lost_queue_rescan_fails, |b| lost_queue_is_rebuilt(
+    b,
+    Some(Fault::FailRescanEnqueue)
+));
 
 /// A job's final ack reaches NATS but its reply is lost: the job is gone,
 /// and a user marked stale again while its request was in flight (kept

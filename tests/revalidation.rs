@@ -1,7 +1,8 @@
 //! Revalidation (SPEC §5.7): lists a remote server changed without telling
 //! us are found, stored, emitted once and counted as divergences; the
 //! fetches are spread evenly with no burst after a restart or an outage;
-//! stale users go first; a failure leaves the list and the user's freshness
+//! stale users go first; a server's job not enqueued at first is enqueued
+//! later; a failure leaves the list and the user's freshness
 //! alone and backs off as §5.2 says; `admin servers` shows it all. Real
 //! nats-server, SQLite and PostgreSQL, and a mock fleet that checks every
 //! X-Matrix signature and its destination.
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 use common::fetch_env::{Env, update};
 use common::{Backend, metric_sample, wait_stream};
 use device_list_updater::admin;
+use device_list_updater::faults::Fault;
 use device_list_updater::testkit::remote::{Reply, device_list};
 use entity::{fetch_server, remote_user, revalidation};
 use sea_orm::{ActiveValue::Set, EntityTrait};
@@ -520,7 +522,29 @@ async fn only_users_sharing_a_room(backend: Backend) {
     env.worker.stop(Duration::from_secs(10)).await;
 }
 
+/// The pacer queues a revalidation but its server's job is not enqueued at
+/// first: it is enqueued later, and the revalidation sent.
+async fn unqueued_jobs_are_enqueued_later(backend: Backend) {
+    let env = Env::start(backend, &[SERVER], Duration::ZERO, |c| {
+        c.settings.revalidate_after = Duration::from_secs(2);
+        c.settings.fault = Some(Fault::FailRevalidationEnqueue);
+    })
+    .await;
+    let user = format!("@old:{SERVER}");
+    env.fleet.script(
+        &user,
+        vec![Reply::Json(device_list(&user, 1, &[("A", "P")]))],
+    );
+    seed_never_fetched(&env, std::slice::from_ref(&user)).await;
+    common::eventually(Duration::from_secs(20), "the revalidation sent", || async {
+        (env.fleet.requests(&user) > 0).then_some(())
+    })
+    .await;
+    env.worker.stop(Duration::from_secs(10)).await;
+}
+
 both_backends!(divergences, divergences_are_found_stored_and_counted);
+both_backends!(unqueued, unqueued_jobs_are_enqueued_later);
 both_backends!(failures, failures_leave_the_list_alone);
 both_backends!(stale_first, stale_users_go_first);
 both_backends!(spread, spread_evenly);

@@ -10,6 +10,7 @@
 //! * `wake`: input from a server ends its job's wait (rule pure);
 //! * `queue`: the one way in for users that need fetching: enqueue their
 //!   servers' jobs and start parked ones;
+//! * `rescan`: at start-up, the servers whose jobs may have been lost;
 //! * [`give_way`]: the fan-out gives way to ingest while it has a backlog;
 //! * `resync`: a resync asked for outside the input stream;
 //! * `revalidate`: the pacer that queues lists due for a revalidation.
@@ -22,6 +23,7 @@ pub mod give_way;
 pub(crate) mod guard;
 pub(crate) mod jobs;
 pub(crate) mod queue;
+pub(crate) mod rescan;
 pub(crate) mod resync;
 pub(crate) mod retry;
 pub(crate) mod revalidate;

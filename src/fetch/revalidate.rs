@@ -9,13 +9,16 @@
 //! tracked users the rate is spread over) is counted again every ten seconds
 //! (every second while there are none).
 
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::kv;
+use ruma::OwnedServerName;
 
 use super::queue::FetchQueue;
 use crate::bus::lease::Lease;
 use crate::decide::revalidate::{Pacer, RECOUNT_EMPTY, rate_per_second, recount_after};
+use crate::faults::{Fault, Faults};
 use crate::shutdown::Shutdown;
 use crate::store::{Store, now_ms};
 
@@ -38,6 +41,8 @@ pub(crate) struct Revalidator {
     pub replica: String,
     /// The lease length.
     pub lease_ttl: Duration,
+    /// Injected faults (test builds only).
+    pub faults: Faults,
 }
 
 impl Revalidator {
@@ -68,12 +73,23 @@ impl Revalidator {
         let mut counted: Option<Instant> = None;
         let mut recount = RECOUNT_EMPTY;
         let mut last = Instant::now();
+        // Servers of revalidations queued whose jobs were not enqueued:
+        // enqueued on each tick until they are (nothing else would).
+        let mut unqueued: BTreeSet<OwnedServerName> = BTreeSet::new();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         while !lease.is_lost() {
             tokio::select! {
                 _ = tick.tick() => {}
                 () = shutdown.requested() => return,
+            }
+            if !unqueued.is_empty() {
+                match self.queue.stale(&unqueued).await {
+                    Ok(()) => unqueued.clear(),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "revalidation jobs not enqueued; retrying")
+                    }
+                }
             }
             if counted.is_none_or(|at| at.elapsed() >= recount) {
                 let started = Instant::now();
@@ -92,26 +108,38 @@ impl Revalidator {
             if n == 0 {
                 continue;
             }
-            if let Err(e) = self.pick(n).await {
+            if let Err(e) = self.pick(n, &mut unqueued).await {
                 tracing::warn!(error = %e, "revalidations not queued; trying again");
             }
         }
         tracing::warn!("revalidation lease lost; another replica paces");
     }
 
-    /// Queues up to `n` due users and has their servers' jobs run.
-    async fn pick(&self, n: u64) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// Queues up to `n` due users and has their servers' jobs run; the
+    /// servers whose jobs were not enqueued go into `unqueued`.
+    async fn pick(
+        &self,
+        n: u64,
+        unqueued: &mut BTreeSet<OwnedServerName>,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let now = now_ms();
         let after = i64::try_from(self.after.as_millis()).unwrap_or(i64::MAX);
         let servers = self
             .store
             .queue_revalidations(now.saturating_sub(after), now, n)
             .await?;
-        if !servers.is_empty() {
-            // The rows are committed: if this fails, the start-up rescan or
-            // the servers' next job finds them.
-            self.queue.stale(&servers).await?;
+        if servers.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let queued = if self.faults.is_armed(Fault::FailRevalidationEnqueue) {
+            Err("fault injection: the picked servers' jobs were not enqueued".into())
+        } else {
+            self.queue.stale(&servers).await.map_err(Into::into)
+        };
+        // The rows are committed: their servers' jobs are enqueued later.
+        if queued.is_err() {
+            unqueued.extend(servers);
+        }
+        queued
     }
 }
