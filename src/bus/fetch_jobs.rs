@@ -67,6 +67,18 @@ async fn fetch_stream(js: &Context) -> Result<async_nats::jetstream::stream::Str
         )))
 }
 
+/// A handle on the fetch-job stream without asking for its info (a round
+/// trip less, for a single operation).
+async fn fetch_stream_handle(
+    js: &Context,
+) -> Result<async_nats::jetstream::stream::Stream<()>, BusError> {
+    js.get_stream_no_info(FETCH_STREAM)
+        .await
+        .map_err(BusError::jetstream(format!(
+            "cannot open stream {FETCH_STREAM}"
+        )))
+}
+
 /// Whether a refused publish means "this server has a pending job already":
 /// the stream keeps one message per subject and refuses a second with a
 /// store failure (JetStream error 10077, the only store limit it has).
@@ -129,12 +141,7 @@ pub async fn finish(js: &Context, message: &Message) -> Result<(), BusError> {
             source: e,
         })?
         .stream_sequence;
-    let stream = js
-        .get_stream_no_info(FETCH_STREAM)
-        .await
-        .map_err(BusError::jetstream(format!(
-            "cannot open stream {FETCH_STREAM}"
-        )))?;
+    let stream = fetch_stream_handle(js).await?;
     let removed = match stream.delete_message(sequence).await {
         Ok(true) => true,
         // Refused, or answered without success: removed already (a
@@ -182,7 +189,7 @@ pub async fn replace(
     server: &OwnedServerName,
     faults: Faults,
 ) -> Result<(), BusError> {
-    let stream = fetch_stream(js).await?;
+    let stream = fetch_stream_handle(js).await?;
     match stream
         .get_last_raw_message_by_subject(&subject(server))
         .await
