@@ -370,7 +370,11 @@ async fn a_big_leave_beside_member_key_traffic_never_deadlocks() {
 
     // The leave, then each key joining beside an update (by user id) of
     // another keyed user, so batches lock users named both ways while the
-    // sweep's chunks and the fetch writer lock the same users.
+    // sweep's chunks and the fetch writer lock the same users. Its 3,001
+    // messages take seconds to apply: a user fetched for its key's join
+    // may be asked again for its update much later than its reason was
+    // given, so reasons hold until the input is applied.
+    env.fleet.hold_reasons(true);
     env.fleet.room_reason();
     let mut traffic = vec![membership(BIG, ME, "leave", 10_000)];
     for i in 0..KEYED {
@@ -382,6 +386,7 @@ async fn a_big_leave_beside_member_key_traffic_never_deadlocks() {
     }
     common::publish_many(&env.js, traffic).await;
     env.settled().await;
+    env.fleet.hold_reasons(false);
     common::eventually(
         Duration::from_secs(120),
         "swept, and the keyed half fresh",

@@ -64,6 +64,9 @@ struct Fleet {
     reasons: HashMap<String, std::time::Instant>,
     /// When a room change (a reason for anyone) was last given.
     room_reason: Option<std::time::Instant>,
+    /// Reasons given count however old, until the input they stand for is
+    /// applied ([`MockFederation::hold_reasons`]).
+    holding_reasons: bool,
     /// Requests the guard refused, described.
     loops: Vec<String>,
 }
@@ -88,7 +91,7 @@ impl Fleet {
             .copied()
             .max(self.reasons.get(server).copied())
             .max(self.room_reason)
-            .is_some_and(|at| at + REASON_LAG >= last);
+            .is_some_and(|at| self.holding_reasons || at + REASON_LAG >= last);
         let gap = now.duration_since(last);
         if gap < window && !reason {
             self.loops.push(format!(
@@ -206,6 +209,24 @@ impl MockFederation {
     /// which may start anyone's tracking (call before publishing it).
     pub fn room_reason(&self) {
         self.lock().room_reason = Some(std::time::Instant::now());
+    }
+
+    /// While `hold` is true, every reason given counts however old: for
+    /// input published at once whose ingestion takes longer than
+    /// `REASON_LAG` (a user's update applied seconds after its reason was
+    /// given may follow a request for another reason). Released, the
+    /// reasons count as if given now, for `REASON_LAG` more; call it once
+    /// that input is applied.
+    pub fn hold_reasons(&self, hold: bool) {
+        let mut fleet = self.lock();
+        fleet.holding_reasons = hold;
+        if !hold {
+            let now = std::time::Instant::now();
+            fleet.reasons.values_mut().for_each(|at| *at = now);
+            if fleet.room_reason.is_some() {
+                fleet.room_reason = Some(now);
+            }
+        }
     }
 
     /// The requests the request-loop guard refused so far.
