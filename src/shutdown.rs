@@ -8,6 +8,8 @@
 //! (a `select!` arm). A dropped trigger counts as a request, so a worker whose
 //! owner went away stops too.
 
+use std::time::Duration;
+
 use tokio::sync::watch;
 use tokio::task::{AbortHandle, JoinHandle};
 
@@ -44,7 +46,35 @@ impl Shutdown {
         // An error means the trigger is gone: that is a stop too.
         let _ = rx.wait_for(|stop| *stop).await;
     }
+
+    /// Runs `step` until it succeeds (its value) or the stop is requested
+    /// (None), logging each failure as "cannot `what`" and waiting longer
+    /// after each (from [`RETRY_FIRST`] to [`RETRY_MAX`]). For work whose
+    /// result is committed elsewhere and that nothing else would redo.
+    pub async fn retry<T, E, F>(&self, what: &str, mut step: impl FnMut() -> F) -> Option<T>
+    where
+        E: std::fmt::Display,
+        F: Future<Output = Result<T, E>>,
+    {
+        let mut wait = RETRY_FIRST;
+        loop {
+            match step().await {
+                Ok(value) => return Some(value),
+                Err(e) => tracing::warn!(error = %e, ?wait, "cannot {what}; retrying"),
+            }
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = self.requested() => return None,
+            }
+            wait = (wait * 2).min(RETRY_MAX);
+        }
+    }
 }
+
+/// The first wait of [`Shutdown::retry`].
+pub const RETRY_FIRST: Duration = Duration::from_millis(100);
+/// The longest wait of [`Shutdown::retry`].
+pub const RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// Aborts a spawned task when dropped, so a task that serves one owner (a
 /// lease renewer, a job's progress acks) never outlives it, on every way out.

@@ -6,7 +6,8 @@
 //!
 //! Nothing else enqueues these servers' jobs when their queue was lost, so
 //! a failure (the database or JetStream not answering yet, a leader
-//! election) is retried until it succeeds or the worker stops.
+//! election) is retried until it succeeds or the worker stops
+//! ([`Shutdown::retry`]).
 
 use std::time::Duration;
 
@@ -20,9 +21,6 @@ use crate::faults::{Fault, Faults};
 use crate::shutdown::Shutdown;
 use crate::store::Store;
 
-/// The wait before a failed step of the rescan is tried again.
-const RETRY: Duration = Duration::from_secs(1);
-
 /// Runs the start-up rescan; see the module's documentation.
 pub(crate) async fn rescan_stale(
     queue: FetchQueue,
@@ -31,10 +29,11 @@ pub(crate) async fn rescan_stale(
     stop: Shutdown,
     faults: Faults,
 ) {
-    let Some(servers) = retried(&stop, "read the servers to rescan", || {
-        servers_to_rescan(&store)
-    })
-    .await
+    let Some(servers) = stop
+        .retry("read the servers of the start-up rescan", || {
+            servers_to_rescan(&store)
+        })
+        .await
     else {
         return;
     };
@@ -57,19 +56,20 @@ pub(crate) async fn rescan_stale(
                 () = stop.requested() => return,
             }
         }
-        let enqueued = retried(&stop, "enqueue a job of the start-up rescan", || {
-            let fail = std::mem::take(&mut fail_first);
-            let queue = &queue;
-            async move {
-                if fail {
-                    return Err(WakeError::Bus(BusError::NotApplied(
-                        "fault injection: the rescan's enqueue failed".into(),
-                    )));
+        let enqueued = stop
+            .retry("enqueue a job of the start-up rescan", || {
+                let fail = std::mem::take(&mut fail_first);
+                let queue = &queue;
+                async move {
+                    if fail {
+                        return Err(WakeError::Bus(BusError::NotApplied(
+                            "fault injection: the rescan's enqueue failed".into(),
+                        )));
+                    }
+                    queue.stale([server]).await
                 }
-                queue.stale([server]).await
-            }
-        })
-        .await;
+            })
+            .await;
         if enqueued.is_none() {
             return;
         }
@@ -86,23 +86,4 @@ async fn servers_to_rescan(store: &Store) -> Result<Vec<OwnedServerName>, DbErr>
         .into_iter()
         .filter_map(|s| OwnedServerName::try_from(s).ok())
         .collect())
-}
-
-/// Runs `step` until it succeeds (its value) or `stop` is requested (None),
-/// waiting [`RETRY`] after each failure.
-async fn retried<T, E, F>(stop: &Shutdown, what: &str, mut step: impl FnMut() -> F) -> Option<T>
-where
-    E: std::fmt::Display,
-    F: Future<Output = Result<T, E>>,
-{
-    loop {
-        match step().await {
-            Ok(value) => return Some(value),
-            Err(e) => tracing::warn!(error = %e, "start-up rescan: cannot {what}; retrying"),
-        }
-        tokio::select! {
-            () = tokio::time::sleep(RETRY) => {}
-            () = stop.requested() => return None,
-        }
-    }
 }

@@ -14,12 +14,6 @@ use crate::faults::Fault;
 use crate::shutdown::Shutdown;
 use crate::store::now_ms;
 
-/// The first wait before taking out a finished job, or enqueueing a
-/// server's next job, again.
-const RETRY_FIRST: Duration = Duration::from_millis(100);
-/// The longest wait between those tries.
-const RETRY_MAX: Duration = Duration::from_secs(5);
-
 impl Fetcher {
     /// Ends the job message as `end` says: acked, or given back with a delay.
     pub(super) async fn end_job(
@@ -31,7 +25,7 @@ impl Fetcher {
     ) {
         let delay = match end {
             JobEnd::Done => {
-                self.finish(message, server, shutdown).await;
+                self.finish(message, shutdown).await;
                 // Users marked stale while this job was in hand could not
                 // enqueue a second job for the server: look again, now
                 // that the job is out of the stream (a job enqueued from
@@ -76,13 +70,14 @@ impl Fetcher {
     /// refused as a duplicate. On shutdown it is left to the consumer (it
     /// runs again, finding nothing left, or the start-up rescan finds the
     /// work).
-    async fn finish(&self, message: &Message, server: &OwnedServerName, shutdown: &Shutdown) {
+    async fn finish(&self, message: &Message, shutdown: &Shutdown) {
         // Injected, the first try's reply is lost.
         let mut lose_reply = self.faults.is_armed(Fault::LoseJobAckReply);
-        self.retried(server, shutdown, "take out the finished fetch job", || {
-            self.finish_once(message, std::mem::take(&mut lose_reply))
-        })
-        .await;
+        shutdown
+            .retry("take out a finished fetch job", || {
+                self.finish_once(message, std::mem::take(&mut lose_reply))
+            })
+            .await;
     }
 
     /// One try of [`Fetcher::finish`]; `lose_reply`: report it failed.
@@ -102,37 +97,10 @@ impl Fetcher {
     /// retried until it succeeds; on shutdown the start-up rescan enqueues
     /// it.
     async fn enqueue(&self, server: &OwnedServerName, shutdown: &Shutdown) {
-        self.retried(
-            server,
-            shutdown,
-            "enqueue the server's next fetch job",
-            || fetch_jobs::enqueue(&self.js, [server]),
-        )
-        .await;
-    }
-
-    /// Runs `step` until it succeeds or the worker stops, waiting longer
-    /// after each failure (from `RETRY_FIRST` to `RETRY_MAX`).
-    async fn retried<F>(
-        &self,
-        server: &OwnedServerName,
-        shutdown: &Shutdown,
-        what: &str,
-        mut step: impl FnMut() -> F,
-    ) where
-        F: std::future::Future<Output = Result<(), BusError>>,
-    {
-        let mut wait = RETRY_FIRST;
-        loop {
-            let Err(e) = step().await else {
-                return;
-            };
-            tracing::warn!(error = %e, %server, ?wait, "cannot {what}; retrying");
-            tokio::select! {
-                () = tokio::time::sleep(wait) => {}
-                () = shutdown.requested() => return,
-            }
-            wait = (wait * 2).min(RETRY_MAX);
-        }
+        shutdown
+            .retry("enqueue a server's next fetch job", || {
+                fetch_jobs::enqueue(&self.js, [server])
+            })
+            .await;
     }
 }

@@ -1,7 +1,7 @@
 //! The fetch-job consumer: takes a server's job from `DEVICE_LIST_FETCH`,
 //! fetches that server's stale users one after another, stores each answer,
-//! and takes the job out of the stream; or NAKs with a delay when the server fails or when every user
-//! left is in its own back-off.
+//! and takes the job out of the stream; or NAKs with a delay when the
+//! server fails or when every user left is in its own back-off.
 //!
 //! One request per server at a time, across replicas: the stream holds at
 //! most one job per server and a job is delivered to one consumer at a time
@@ -343,8 +343,8 @@ impl Fetcher {
             }
             // Nothing but these users was ahead as the job started, and
             // each answered: the job is done without another look. Work
-            // queued meanwhile is found by the look after the job is taken out
-            // (`end_job`), which enqueues the server's next job.
+            // queued meanwhile is found by the look once the job is out of
+            // the stream (`end_job`), which enqueues the server's next job.
             if let Some(ahead) = ahead_at_start.take()
                 && job.users_failed == 0
                 && !ahead.revalidation_due
