@@ -356,13 +356,12 @@ impl Store {
         now_ms: i64,
     ) -> Result<Vec<ServerWait>, DbErr> {
         let mut out = Vec::new();
-        for chunk in servers.chunks(super::write::CHUNK) {
+        let backend = self.db.get_database_backend();
+        let names = servers.iter().map(|s| s.as_str());
+        for these in super::one_of::one_of(backend, fetch_server::Column::ServerName, names) {
             out.extend(
                 fetch_server::Entity::find()
-                    .filter(
-                        fetch_server::Column::ServerName
-                            .is_in(chunk.iter().map(|s| s.as_str().to_owned())),
-                    )
+                    .filter(these)
                     .filter(fetch_server::Column::NextAttemptMs.gt(now_ms))
                     .all(&self.db)
                     .await?,

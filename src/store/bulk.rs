@@ -9,6 +9,9 @@
 //! arrays and keeps the portable statements in `write.rs` and `load.rs`.
 
 use entity::{remote_device, remote_user, stale_user};
+use std::collections::BTreeMap;
+
+use ruma::ServerName;
 use sea_orm::{ConnectionTrait, DbBackend, DbErr, EntityTrait, Statement, Value};
 
 use crate::decide::Plan;
@@ -48,6 +51,19 @@ const UPSERT_DEVICES: &str = "INSERT INTO remote_device \
      ON CONFLICT (user_id, device_id) DO UPDATE SET \
      display_name = EXCLUDED.display_name, keys_json = EXCLUDED.keys_json, \
      stream_id = EXCLUDED.stream_id, deleted = EXCLUDED.deleted";
+
+/// A fetch from each server succeeded at `$2`; `$3` revalidations were
+/// answered and `$4` of them diverged (see `record_fetches`).
+const UPSERT_SERVERS: &str = "INSERT INTO remote_server \
+     (server_name, last_success_ms, revalidations, divergences, last_divergence_ms) \
+     SELECT s, $2::int8, r, d, CASE WHEN d > 0 THEN $2::int8 ELSE 0 END \
+     FROM UNNEST($1::text[], $3::int8[], $4::int8[]) AS t(s, r, d) \
+     ON CONFLICT (server_name) DO UPDATE SET \
+     last_success_ms = EXCLUDED.last_success_ms, \
+     revalidations = remote_server.revalidations + EXCLUDED.revalidations, \
+     divergences = remote_server.divergences + EXCLUDED.divergences, \
+     last_divergence_ms = CASE WHEN EXCLUDED.divergences > 0 \
+         THEN EXCLUDED.last_divergence_ms ELSE remote_server.last_divergence_ms END";
 
 fn statement(sql: &str, values: Vec<Value>) -> Statement {
     Statement::from_sql_and_values(DbBackend::Postgres, sql, values)
@@ -180,5 +196,28 @@ pub(super) async fn write_users_and_devices<C: ConnectionTrait>(
         ];
         db.execute_raw(statement(UPSERT_DEVICES, values)).await?;
     }
+    Ok(())
+}
+
+/// Records, per server, a successful fetch at `now_ms` and its answered
+/// revalidations and divergences, `(revalidations, divergences)`.
+pub(super) async fn record_servers<C: ConnectionTrait>(
+    db: &C,
+    tallies: &BTreeMap<&ServerName, (i64, i64)>,
+    now_ms: i64,
+) -> Result<(), DbErr> {
+    if tallies.is_empty() {
+        return Ok(());
+    }
+    let servers: Vec<String> = tallies.keys().map(|s| s.as_str().to_owned()).collect();
+    let revalidations: Vec<i64> = tallies.values().map(|t| t.0).collect();
+    let divergences: Vec<i64> = tallies.values().map(|t| t.1).collect();
+    let values = vec![
+        servers.into(),
+        now_ms.into(),
+        revalidations.into(),
+        divergences.into(),
+    ];
+    db.execute_raw(statement(UPSERT_SERVERS, values)).await?;
     Ok(())
 }

@@ -8,9 +8,10 @@ use sea_orm::{
     ColumnTrait, ConnectionTrait, DbErr, EntityTrait, QueryFilter, QueryOrder, QuerySelect,
 };
 
+use super::one_of::one_of;
 use super::outbox::OutboxBatch;
 use super::revalidate::Answered;
-use super::rows::{self, CHUNK};
+use super::rows;
 use super::{Store, lock_users, write};
 use crate::decide::fetched::{FetchPlan, FetchRefusal, FetchedList, StoredUser, plan_fetch};
 use crate::decide::{Plan, StaleMark};
@@ -132,19 +133,20 @@ impl Store {
         super::revalidate::record_fetches(&txn, &answered, now_ms).await?;
         // A user kept stale by a trigger that came in meanwhile was answered:
         // its own back-off is over.
-        let answered: Vec<String> = rows.stale.keys().map(|u| u.as_str().to_owned()).collect();
-        for chunk in answered.chunks(CHUNK) {
+        let backend = txn.get_database_backend();
+        let answered = rows.stale.keys().map(|u| u.as_str());
+        for users in one_of(backend, stale_user::Column::UserId, answered) {
             use sea_orm::sea_query::Expr;
             stale_user::Entity::update_many()
                 .col_expr(stale_user::Column::Failures, Expr::value(0))
                 .col_expr(stale_user::Column::NextAttemptMs, Expr::value(0_i64))
-                .filter(stale_user::Column::UserId.is_in(chunk.iter().cloned()))
+                .filter(users)
                 .exec(&txn)
                 .await?;
         }
-        for chunk in fresh.chunks(CHUNK) {
+        for users in one_of(backend, stale_user::Column::UserId, fresh) {
             stale_user::Entity::delete_many()
-                .filter(stale_user::Column::UserId.is_in(chunk.iter().cloned()))
+                .filter(users)
                 .exec(&txn)
                 .await?;
         }
@@ -188,44 +190,43 @@ pub struct FetchedUser {
     pub list: FetchedList,
 }
 
-/// Everything stored for `users`, four queries per chunk of users.
+/// Everything stored for `users`: four queries (more on SQLite for
+/// groups over its `IN` list's size).
 async fn load_users<C: ConnectionTrait>(
     db: &C,
     users: &[&str],
 ) -> Result<BTreeMap<OwnedUserId, StoredUser>, DbErr> {
+    let backend = db.get_database_backend();
+    let ids = || users.iter().copied();
     let mut stored: BTreeMap<OwnedUserId, StoredUser> = BTreeMap::new();
-    for chunk in users.chunks(CHUNK) {
-        let ids = || chunk.iter().copied();
-        let users = remote_user::Entity::find()
-            .filter(remote_user::Column::UserId.is_in(ids()))
-            .all(db)
-            .await?;
-        for (user, state) in users.into_iter().filter_map(rows::user_state) {
+    for these in one_of(backend, remote_user::Column::UserId, ids()) {
+        let found = remote_user::Entity::find().filter(these).all(db).await?;
+        for (user, state) in found.into_iter().filter_map(rows::user_state) {
             stored.entry(user).or_default().state = state;
         }
-        let devices = remote_device::Entity::find()
-            .filter(remote_device::Column::UserId.is_in(ids()))
-            .all(db)
-            .await?;
-        for (user, id, device) in devices.into_iter().filter_map(rows::device) {
+    }
+    for these in one_of(backend, remote_device::Column::UserId, ids()) {
+        let found = remote_device::Entity::find().filter(these).all(db).await?;
+        for (user, id, device) in found.into_iter().filter_map(rows::device) {
             stored.entry(user).or_default().devices.insert(id, device);
         }
-        let keys = cross_signing_key::Entity::find()
-            .filter(cross_signing_key::Column::UserId.is_in(ids()))
+    }
+    for these in one_of(backend, cross_signing_key::Column::UserId, ids()) {
+        let found = cross_signing_key::Entity::find()
+            .filter(these)
             .all(db)
             .await?;
-        for (user, usage, key) in keys.into_iter().filter_map(rows::cross_signing_key) {
+        for (user, usage, key) in found.into_iter().filter_map(rows::cross_signing_key) {
             stored
                 .entry(user)
                 .or_default()
                 .cross_signing
                 .insert(usage, key);
         }
-        let stale = stale_user::Entity::find()
-            .filter(stale_user::Column::UserId.is_in(ids()))
-            .all(db)
-            .await?;
-        for (user, mark) in stale.iter().filter_map(rows::stale) {
+    }
+    for these in one_of(backend, stale_user::Column::UserId, ids()) {
+        let found = stale_user::Entity::find().filter(these).all(db).await?;
+        for (user, mark) in found.iter().filter_map(rows::stale) {
             stored.entry(user).or_default().stale = Some(mark);
         }
     }

@@ -7,6 +7,7 @@ use ruma::{DeviceId, UserId};
 use sea_orm::{ColumnTrait, ConnectionTrait, DbBackend, DbErr, EntityTrait, QueryFilter};
 
 use super::bulk;
+use super::one_of::one_of;
 use super::rows::{self, CHUNK};
 
 use crate::decide::Snapshot;
@@ -70,9 +71,11 @@ pub(super) async fn snapshot<C: ConnectionTrait>(
             .map(|(user, id, device)| ((user, id), device)),
     );
     if wants_keys {
-        for chunk in users.chunks(CHUNK) {
+        let backend = db.get_database_backend();
+        let ids = users.iter().copied();
+        for these in one_of(backend, cross_signing_key::Column::UserId, ids) {
             let keys = cross_signing_key::Entity::find()
-                .filter(cross_signing_key::Column::UserId.is_in(chunk.iter().copied()))
+                .filter(these)
                 .all(db)
                 .await?;
             snapshot.cross_signing.extend(

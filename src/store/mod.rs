@@ -9,6 +9,7 @@ mod bulk;
 mod bulk_rooms;
 pub(crate) mod fetched;
 mod load;
+mod one_of;
 pub(crate) mod outbox;
 pub mod query;
 pub mod revalidate;

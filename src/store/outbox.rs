@@ -151,10 +151,12 @@ impl Store {
 
     /// Deletes published batches (deleting one already gone is not an error).
     pub async fn outbox_delete(&self, ids: &[i64]) -> Result<(), DbErr> {
-        use sea_orm::{ColumnTrait, QueryFilter};
-        for chunk in ids.chunks(super::rows::CHUNK) {
+        use sea_orm::QueryFilter;
+        let backend = self.db.get_database_backend();
+        let ids = ids.iter().copied();
+        for these in super::one_of::one_of(backend, key_change_outbox::Column::Id, ids) {
             key_change_outbox::Entity::delete_many()
-                .filter(key_change_outbox::Column::Id.is_in(chunk.iter().copied()))
+                .filter(these)
                 .exec(&self.db)
                 .await?;
         }

@@ -16,11 +16,12 @@ use sea_orm::sea_query::{
     Alias, Expr, ExprTrait as _, IntoColumnRef, IntoTableRef, OnConflict, Query, SelectStatement,
 };
 use sea_orm::{
-    ActiveValue::Set, ColumnTrait, ConnectionTrait, DbErr, EntityTrait, FromQueryResult,
+    ActiveValue::Set, ColumnTrait, ConnectionTrait, DbBackend, DbErr, EntityTrait, FromQueryResult,
     PaginatorTrait, QueryFilter, QueryOrder, QuerySelect,
 };
 
 use super::Store;
+use super::one_of::one_of;
 use super::rows::CHUNK;
 
 /// A server with this many revalidations queued gets no more until its job
@@ -423,15 +424,18 @@ pub(super) async fn record_fetches<C: ConnectionTrait>(
     answered: &[Answered<'_>],
     now_ms: i64,
 ) -> Result<(), DbErr> {
-    let users: Vec<&str> = answered.iter().map(|a| a.user.as_str()).collect();
-    for chunk in users.chunks(CHUNK) {
+    let backend = db.get_database_backend();
+    let users = || answered.iter().map(|a| a.user.as_str());
+    for these in one_of(backend, remote_user::Column::UserId, users()) {
         remote_user::Entity::update_many()
             .col_expr(remote_user::Column::FetchedAtMs, Expr::value(now_ms))
-            .filter(remote_user::Column::UserId.is_in(chunk.iter().copied()))
+            .filter(these)
             .exec(db)
             .await?;
+    }
+    for these in one_of(backend, revalidation::Column::UserId, users()) {
         revalidation::Entity::delete_many()
-            .filter(revalidation::Column::UserId.is_in(chunk.iter().copied()))
+            .filter(these)
             .exec(db)
             .await?;
     }
@@ -442,6 +446,9 @@ pub(super) async fn record_fetches<C: ConnectionTrait>(
             tally.0 += 1;
             tally.1 += i64::from(a.changed);
         }
+    }
+    if backend == DbBackend::Postgres {
+        return super::bulk::record_servers(db, &tallies, now_ms).await;
     }
     let rows: Vec<remote_server::ActiveModel> = tallies
         .into_iter()

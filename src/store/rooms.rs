@@ -10,7 +10,7 @@ use sea_orm::{
     QuerySelect,
 };
 
-use super::rows::CHUNK;
+use super::one_of::one_of;
 use super::{Store, lock_users, write};
 use crate::decide::Plan;
 use crate::decide::membership::{Link, Member};
@@ -41,22 +41,72 @@ pub(super) async fn load_rooms<C: ConnectionTrait>(
     if rooms.is_empty() {
         return Ok((snapshot, users));
     }
-    for rooms in rooms.chunks(CHUNK) {
-        for row in room::Entity::find()
-            .filter(room::Column::RoomId.is_in(rooms.iter().copied()))
-            .all(db)
-            .await?
-        {
+    let backend = db.get_database_backend();
+    for these in one_of(backend, room::Column::RoomId, rooms.iter().copied()) {
+        for row in room::Entity::find().filter(these).all(db).await? {
             if let Ok(id) = OwnedRoomId::try_from(row.room_id) {
                 snapshot
                     .rooms
                     .insert(id, room_row(row.local_joined, row.sweep));
             }
         }
-        for identities in identities.chunks(CHUNK) {
+    }
+    load_members(db, &rooms, &identities, &mut snapshot).await?;
+    for row in stored_links(db, &rooms, &identities).await? {
+        let (Ok(room), Ok(key)) = (
+            OwnedRoomId::try_from(row.room_id),
+            MemberKey::parse(&row.member_key),
+        ) else {
+            continue;
+        };
+        let user = row.user_id.and_then(|u| OwnedUserId::try_from(u).ok());
+        users.extend(user.clone());
+        let link = Link {
+            user,
+            erased: row.erased,
+            verified: row.verified,
+            stream_ordering: row.stream_ordering,
+        };
+        snapshot.links.insert((room, key), link);
+    }
+    let of_users = one_of(
+        backend,
+        room_user::Column::UserId,
+        users.iter().map(|u| u.as_str()),
+    );
+    for these_rooms in one_of(backend, room_user::Column::RoomId, rooms.iter().copied()) {
+        for these in &of_users {
+            for row in room_user::Entity::find()
+                .filter(these_rooms.clone())
+                .filter(these.clone())
+                .all(db)
+                .await?
+            {
+                insert_pair(&mut snapshot, row);
+            }
+        }
+    }
+    Ok((snapshot, users))
+}
+
+/// Loads the stored memberships of `identities` in `rooms` into `snapshot`.
+async fn load_members<C: ConnectionTrait>(
+    db: &C,
+    rooms: &[&str],
+    identities: &[&str],
+    snapshot: &mut RoomSnapshot,
+) -> Result<(), DbErr> {
+    let backend = db.get_database_backend();
+    let of_identities = one_of(
+        backend,
+        room_member::Column::Identity,
+        identities.iter().copied(),
+    );
+    for these_rooms in one_of(backend, room_member::Column::RoomId, rooms.iter().copied()) {
+        for these in &of_identities {
             for row in room_member::Entity::find()
-                .filter(room_member::Column::RoomId.is_in(rooms.iter().copied()))
-                .filter(room_member::Column::Identity.is_in(identities.iter().copied()))
+                .filter(these_rooms.clone())
+                .filter(these.clone())
                 .all(db)
                 .await?
             {
@@ -75,37 +125,7 @@ pub(super) async fn load_rooms<C: ConnectionTrait>(
             }
         }
     }
-    for row in stored_links(db, &rooms, &identities).await? {
-        let (Ok(room), Ok(key)) = (
-            OwnedRoomId::try_from(row.room_id),
-            MemberKey::parse(&row.member_key),
-        ) else {
-            continue;
-        };
-        let user = row.user_id.and_then(|u| OwnedUserId::try_from(u).ok());
-        users.extend(user.clone());
-        let link = Link {
-            user,
-            erased: row.erased,
-            verified: row.verified,
-            stream_ordering: row.stream_ordering,
-        };
-        snapshot.links.insert((room, key), link);
-    }
-    let user_ids: Vec<&str> = users.iter().map(|u| u.as_str()).collect();
-    for rooms in rooms.chunks(CHUNK) {
-        for chunk in user_ids.chunks(CHUNK) {
-            for row in room_user::Entity::find()
-                .filter(room_user::Column::RoomId.is_in(rooms.iter().copied()))
-                .filter(room_user::Column::UserId.is_in(chunk.iter().copied()))
-                .all(db)
-                .await?
-            {
-                insert_pair(&mut snapshot, row);
-            }
-        }
-    }
-    Ok((snapshot, users))
+    Ok(())
 }
 
 /// The rooms and the identities (user ids or member keys) `messages` name,
@@ -138,13 +158,23 @@ async fn stored_links<C: ConnectionTrait>(
     rooms: &[&str],
     identities: &[&str],
 ) -> Result<Vec<member_key_link::Model>, DbErr> {
+    let backend = db.get_database_backend();
     let mut links = Vec::new();
-    for rooms in rooms.chunks(CHUNK) {
-        for identities in identities.chunks(CHUNK) {
+    let of_keys = one_of(
+        backend,
+        member_key_link::Column::MemberKey,
+        identities.iter().copied(),
+    );
+    for these_rooms in one_of(
+        backend,
+        member_key_link::Column::RoomId,
+        rooms.iter().copied(),
+    ) {
+        for these in &of_keys {
             links.extend(
                 member_key_link::Entity::find()
-                    .filter(member_key_link::Column::RoomId.is_in(rooms.iter().copied()))
-                    .filter(member_key_link::Column::MemberKey.is_in(identities.iter().copied()))
+                    .filter(these_rooms.clone())
+                    .filter(these.clone())
                     .all(db)
                     .await?,
             );
@@ -194,10 +224,10 @@ pub(super) async fn shared_counts<C: ConnectionTrait>(
     lock: bool,
 ) -> Result<Vec<(OwnedUserId, u32)>, DbErr> {
     let mut counts = Vec::new();
-    for chunk in users.chunks(CHUNK) {
-        let mut query = shared_user::Entity::find()
-            .filter(shared_user::Column::UserId.is_in(chunk.iter().copied()));
-        if lock && db.get_database_backend() == DbBackend::Postgres {
+    let backend = db.get_database_backend();
+    for these in one_of(backend, shared_user::Column::UserId, users.iter().copied()) {
+        let mut query = shared_user::Entity::find().filter(these);
+        if lock && backend == DbBackend::Postgres {
             query = query.lock_exclusive();
         }
         for row in query.all(db).await? {

@@ -16,7 +16,7 @@ use ruma::OwnedUserId;
 use sea_orm::sea_query::{Alias, Expr, ExprTrait as _, IntoColumnRef, Query, SelectStatement};
 use sea_orm::{ConnectionTrait, DbErr, FromQueryResult};
 
-use super::rows::CHUNK;
+use super::one_of::one_of;
 
 /// The pairs of `users` that count now, joined with their rooms.
 fn counted_pairs() -> SelectStatement {
@@ -44,14 +44,15 @@ pub(super) async fn rooms_shared_now<C: ConnectionTrait>(
     }
     let user_col = (room_user::Entity, room_user::Column::UserId);
     let mut counts = Vec::new();
-    for chunk in users.chunks(CHUNK) {
+    let backend = db.get_database_backend();
+    for these in one_of(backend, user_col, users.iter().copied()) {
         let query = counted_pairs()
             .column(user_col)
             .expr_as(Expr::col(user_col).count(), Alias::new("n"))
-            .and_where(Expr::col(user_col).is_in(chunk.iter().copied()))
+            .and_where(these)
             .group_by_col(user_col)
             .to_owned();
-        let statement = db.get_database_backend().build(&query);
+        let statement = backend.build(&query);
         for row in Row::find_by_statement(statement).all(db).await? {
             if let Ok(user) = OwnedUserId::try_from(row.user_id) {
                 counts.push((user, u32::try_from(row.n).unwrap_or(u32::MAX)));

@@ -1,0 +1,97 @@
+//! "This column is one of these values" as a condition whose statement text
+//! does not depend on how many values there are.
+//!
+//! `column IN ($1, …, $n)` is a different statement for every n: PostgreSQL
+//! parses and plans each one again, and the driver's cache of prepared
+//! statements (100 per connection) fills with variants of one query. The
+//! fetch writer's groups hold from 1 to 256 users, so each of its statements
+//! came in 60 to 70 texts over a 10,000-user fan-out (BENCHMARKS.md,
+//! Fan-out). On PostgreSQL the values travel as one array parameter
+//! (`column = ANY($1)`), prepared once per connection; SQLite has no
+//! arrays and prepares in-process, so it keeps `IN` lists of at most
+//! [`CHUNK`] values.
+
+use sea_orm::sea_query::extension::postgres::PgFunc;
+use sea_orm::sea_query::{Expr, ExprTrait, IntoColumnRef};
+use sea_orm::{DbBackend, Value};
+
+use super::rows::CHUNK;
+
+/// The conditions that together select the rows whose `column` is one of
+/// `values`: one on PostgreSQL, one per [`CHUNK`] values elsewhere, none
+/// when there are no values (a statement over nothing is not run at all).
+pub(super) fn one_of<C, V>(
+    backend: DbBackend,
+    column: C,
+    values: impl IntoIterator<Item = V>,
+) -> Vec<Expr>
+where
+    C: IntoColumnRef + Clone,
+    V: Into<Value>,
+{
+    let values: Vec<Value> = values.into_iter().map(Into::into).collect();
+    let Some(first) = values.first() else {
+        return Vec::new();
+    };
+    if backend == DbBackend::Postgres {
+        let array = Value::Array(first.array_type(), Some(Box::new(values)));
+        return vec![Expr::col(column).eq(PgFunc::any(Expr::val(array)))];
+    }
+    values
+        .chunks(CHUNK)
+        .map(|chunk| Expr::col(column.clone()).is_in(chunk.iter().cloned()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sea_orm::sea_query::{PostgresQueryBuilder, Query, SqliteQueryBuilder};
+
+    fn select(backend: DbBackend, n: usize) -> Vec<(String, usize)> {
+        let users: Vec<String> = (0..n).map(|i| format!("@u{i}:example.org")).collect();
+        one_of(backend, "user_id", users.iter().map(String::as_str))
+            .into_iter()
+            .map(|condition| {
+                let query = Query::select()
+                    .column("user_id")
+                    .from("t")
+                    .and_where(condition)
+                    .to_owned();
+                let (sql, values) = match backend {
+                    DbBackend::Postgres => query.build(PostgresQueryBuilder),
+                    _ => query.build(SqliteQueryBuilder),
+                };
+                (sql, values.0.len())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn postgres_has_one_text_for_every_size() {
+        let one = select(DbBackend::Postgres, 1);
+        let many = select(DbBackend::Postgres, 2 * CHUNK + 1);
+        assert_eq!(one.len(), 1);
+        assert_eq!(many.len(), 1, "one statement, not chunks");
+        assert_eq!(one[0].0, many[0].0, "the text does not depend on the size");
+        assert_eq!(
+            one[0].0,
+            r#"SELECT "user_id" FROM "t" WHERE "user_id" = ANY($1)"#
+        );
+        assert_eq!(many[0].1, 1, "the values are one array parameter");
+    }
+
+    #[test]
+    fn sqlite_lists_values_in_chunks() {
+        let statements = select(DbBackend::Sqlite, 2 * CHUNK + 1);
+        let sizes: Vec<usize> = statements.iter().map(|(_, n)| *n).collect();
+        assert_eq!(sizes, [CHUNK, CHUNK, 1]);
+        assert!(statements[0].0.contains(" IN ("));
+    }
+
+    #[test]
+    fn no_values_no_statement() {
+        assert!(select(DbBackend::Postgres, 0).is_empty());
+        assert!(select(DbBackend::Sqlite, 0).is_empty());
+    }
+}
