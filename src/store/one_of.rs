@@ -12,7 +12,7 @@
 //! [`CHUNK`] values.
 
 use sea_orm::sea_query::extension::postgres::PgFunc;
-use sea_orm::sea_query::{Expr, ExprTrait, IntoColumnRef};
+use sea_orm::sea_query::{Condition, Expr, ExprTrait, IntoColumnRef};
 use sea_orm::{DbBackend, Value};
 
 use super::rows::CHUNK;
@@ -41,6 +41,30 @@ where
         .chunks(CHUNK)
         .map(|chunk| Expr::col(column.clone()).is_in(chunk.iter().cloned()))
         .collect()
+}
+
+/// The conditions that together select the rows whose `a.0` is one of
+/// `a.1` and whose `b.0` is one of `b.1`: each pair of [`one_of`]'s
+/// conditions (one on PostgreSQL).
+pub(super) fn one_of_each<A, B, V, W>(
+    backend: DbBackend,
+    a: (A, impl IntoIterator<Item = V>),
+    b: (B, impl IntoIterator<Item = W>),
+) -> Vec<Condition>
+where
+    A: IntoColumnRef + Clone,
+    B: IntoColumnRef + Clone,
+    V: Into<Value>,
+    W: Into<Value>,
+{
+    let of_b = one_of(backend, b.0, b.1);
+    let mut conditions = Vec::new();
+    for these_a in one_of(backend, a.0, a.1) {
+        for these_b in &of_b {
+            conditions.push(Condition::all().add(these_a.clone()).add(these_b.clone()));
+        }
+    }
+    conditions
 }
 
 #[cfg(test)]
@@ -87,6 +111,26 @@ mod tests {
         let sizes: Vec<usize> = statements.iter().map(|(_, n)| *n).collect();
         assert_eq!(sizes, [CHUNK, CHUNK, 1]);
         assert!(statements[0].0.contains(" IN ("));
+    }
+
+    #[test]
+    fn pairs_of_sets_are_every_pair_of_chunks() {
+        let many: Vec<String> = (0..CHUNK + 1).map(|i| format!("v{i}")).collect();
+        let two = || ("b", ["x", "y"]);
+        let sqlite = one_of_each(
+            DbBackend::Sqlite,
+            ("a", many.iter().map(String::as_str)),
+            two(),
+        );
+        assert_eq!(sqlite.len(), 2, "two chunks of a, one of b");
+        let pg = one_of_each(
+            DbBackend::Postgres,
+            ("a", many.iter().map(String::as_str)),
+            two(),
+        );
+        assert_eq!(pg.len(), 1);
+        let none = one_of_each(DbBackend::Postgres, ("a", Vec::<&str>::new()), two());
+        assert!(none.is_empty());
     }
 
     #[test]

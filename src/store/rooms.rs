@@ -10,7 +10,7 @@ use sea_orm::{
     QuerySelect,
 };
 
-use super::one_of::one_of;
+use super::one_of::{one_of, one_of_each};
 use super::{Store, lock_users, write};
 use crate::decide::Plan;
 use crate::decide::membership::{Link, Member};
@@ -69,21 +69,14 @@ pub(super) async fn load_rooms<C: ConnectionTrait>(
         };
         snapshot.links.insert((room, key), link);
     }
-    let of_users = one_of(
+    let pairs = one_of_each(
         backend,
-        room_user::Column::UserId,
-        users.iter().map(|u| u.as_str()),
+        (room_user::Column::RoomId, rooms.iter().copied()),
+        (room_user::Column::UserId, users.iter().map(|u| u.as_str())),
     );
-    for these_rooms in one_of(backend, room_user::Column::RoomId, rooms.iter().copied()) {
-        for these in &of_users {
-            for row in room_user::Entity::find()
-                .filter(these_rooms.clone())
-                .filter(these.clone())
-                .all(db)
-                .await?
-            {
-                insert_pair(&mut snapshot, row);
-            }
+    for these in pairs {
+        for row in room_user::Entity::find().filter(these).all(db).await? {
+            insert_pair(&mut snapshot, row);
         }
     }
     Ok((snapshot, users))
@@ -97,32 +90,25 @@ async fn load_members<C: ConnectionTrait>(
     snapshot: &mut RoomSnapshot,
 ) -> Result<(), DbErr> {
     let backend = db.get_database_backend();
-    let of_identities = one_of(
+    let members = one_of_each(
         backend,
-        room_member::Column::Identity,
-        identities.iter().copied(),
+        (room_member::Column::RoomId, rooms.iter().copied()),
+        (room_member::Column::Identity, identities.iter().copied()),
     );
-    for these_rooms in one_of(backend, room_member::Column::RoomId, rooms.iter().copied()) {
-        for these in &of_identities {
-            for row in room_member::Entity::find()
-                .filter(these_rooms.clone())
-                .filter(these.clone())
-                .all(db)
-                .await?
-            {
-                let (Ok(room), Ok(identity), Some(membership)) = (
-                    OwnedRoomId::try_from(row.room_id),
-                    Identity::parse(&row.identity, true),
-                    Membership::parse(&row.membership),
-                ) else {
-                    continue;
-                };
-                let member = Member {
-                    membership,
-                    stream_ordering: row.stream_ordering,
-                };
-                snapshot.members.insert((room, identity), member);
-            }
+    for these in members {
+        for row in room_member::Entity::find().filter(these).all(db).await? {
+            let (Ok(room), Ok(identity), Some(membership)) = (
+                OwnedRoomId::try_from(row.room_id),
+                Identity::parse(&row.identity, true),
+                Membership::parse(&row.membership),
+            ) else {
+                continue;
+            };
+            let member = Member {
+                membership,
+                stream_ordering: row.stream_ordering,
+            };
+            snapshot.members.insert((room, identity), member);
         }
     }
     Ok(())
@@ -160,25 +146,21 @@ async fn stored_links<C: ConnectionTrait>(
 ) -> Result<Vec<member_key_link::Model>, DbErr> {
     let backend = db.get_database_backend();
     let mut links = Vec::new();
-    let of_keys = one_of(
+    let pairs = one_of_each(
         backend,
-        member_key_link::Column::MemberKey,
-        identities.iter().copied(),
+        (member_key_link::Column::RoomId, rooms.iter().copied()),
+        (
+            member_key_link::Column::MemberKey,
+            identities.iter().copied(),
+        ),
     );
-    for these_rooms in one_of(
-        backend,
-        member_key_link::Column::RoomId,
-        rooms.iter().copied(),
-    ) {
-        for these in &of_keys {
-            links.extend(
-                member_key_link::Entity::find()
-                    .filter(these_rooms.clone())
-                    .filter(these.clone())
-                    .all(db)
-                    .await?,
-            );
-        }
+    for these in pairs {
+        links.extend(
+            member_key_link::Entity::find()
+                .filter(these)
+                .all(db)
+                .await?,
+        );
     }
     Ok(links)
 }
