@@ -19,6 +19,7 @@ use crate::fetch::error::ClientError;
 use crate::fetch::federation::{FederationClient, FederationSettings};
 use crate::fetch::give_way::IngestBacklog;
 use crate::fetch::jobs::Fetcher;
+use crate::fetch::jobs::follow_up::FollowUps;
 use crate::fetch::queue::FetchQueue;
 use crate::fetch::retry::RetryPolicy;
 use crate::fetch::wake::{WakeChecker, Wakeups};
@@ -255,6 +256,9 @@ impl Tasks {
         let (writer, writer_task) =
             FetchWriter::new(self.store.clone(), settings.max_devices, outbox);
         self.set.spawn(writer_task);
+        let (follow_ups, follow_up_task) =
+            FollowUps::new(self.store.clone(), self.js.clone(), self.shutdown.clone());
+        self.set.spawn(follow_up_task);
         let fetcher = Fetcher {
             js: self.js.clone(),
             store: self.store.clone(),
@@ -270,6 +274,7 @@ impl Tasks {
             backlog,
             revalidation_slots: Fetcher::revalidation_slots(settings.fetch_concurrency),
             store_turns: Fetcher::store_turns(),
+            follow_ups,
             faults: self.faults,
         };
         self.set.spawn(fetcher.run(consumer, self.shutdown.clone()));

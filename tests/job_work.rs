@@ -11,8 +11,10 @@ mod common;
 
 use common::sql;
 
+use std::collections::BTreeSet;
+
 use device_list_updater::store::Store;
-use ruma::server_name;
+use ruma::{OwnedServerName, server_name};
 
 const NOW: i64 = 1_000_000;
 
@@ -60,12 +62,38 @@ async fn work(store: &Store) -> (bool, bool, bool, Option<i64>) {
     let start_ahead = start.ahead.map(|a| (a.revalidation_due, a.next_due_ms));
     let expected = stale_due.then_some((ahead.revalidation_due, ahead.next_due_ms));
     assert_eq!(start_ahead, expected, "job_start: what is ahead");
+    for at in [NOW, i64::MAX] {
+        assert_eq!(
+            store.servers_with_fetch_work(&servers(), at).await.unwrap(),
+            each_with_work(store, at).await,
+            "servers_with_fetch_work at {at}: as has_fetch_work answers for each"
+        );
+    }
     (
         store.has_fetch_work(server, NOW).await.unwrap(),
         store.has_fetch_work(server, i64::MAX).await.unwrap(),
         ahead.revalidation_due,
         ahead.next_due_ms,
     )
+}
+
+/// The servers the tests store work for, and one they never do.
+fn servers() -> BTreeSet<OwnedServerName> {
+    ["remote.example", "other.example", "none.example"]
+        .into_iter()
+        .map(|s| OwnedServerName::try_from(s).unwrap())
+        .collect()
+}
+
+/// Those of [`servers`] for which `has_fetch_work` says yes at `at`.
+async fn each_with_work(store: &Store, at: i64) -> BTreeSet<OwnedServerName> {
+    let mut found = BTreeSet::new();
+    for server in servers() {
+        if store.has_fetch_work(&server, at).await.unwrap() {
+            found.insert(server);
+        }
+    }
+    found
 }
 
 /// Stores `server`'s wait: `failures` in a row, its job due at `next_attempt_ms`.

@@ -5,7 +5,8 @@
 //! * [`answer`]: reading a `/user/devices` answer (pure);
 //! * `discovery`: SRV and port 8448 for hostnames (pure choice over a DNS trait);
 //! * [`federation`]: the signed request, discovery and the guarded client;
-//! * `jobs`: the fetch-job consumer that ties them together;
+//! * `jobs`: the fetch-job consumer that ties them together (and the look
+//!   for work queued while a job ran, after it ends);
 //! * `writer`: stores fetched lists in groups, one transaction each;
 //! * `wake`: input from a server ends its job's wait (rule pure);
 //! * `queue`: the one way in for users that need fetching: enqueue their

@@ -125,7 +125,10 @@ async fn write_group(
     outbox: &OutboxHandle,
     group: Vec<Request>,
 ) {
-    let items: Vec<FetchedUser> = group.iter().map(|r| r.item.clone()).collect();
+    let (items, replies): (Vec<FetchedUser>, Vec<oneshot::Sender<Written>>) = group
+        .into_iter()
+        .map(|request| (request.item, request.reply))
+        .unzip();
     // Latency is measured from each user's stale mark.
     let origin = crate::store::outbox::Origin {
         source: "fetch",
@@ -142,20 +145,20 @@ async fn write_group(
                 batch.origin = Some(origin);
                 outbox.committed(batch).await;
             }
-            for (request, outcome) in group.into_iter().zip(outcomes) {
-                let _ = request.reply.send(outcome.into());
+            for (reply, outcome) in replies.into_iter().zip(outcomes) {
+                let _ = reply.send(outcome.into());
             }
         }
-        Err(e) if group.len() == 1 => {
-            if let Some(request) = group.into_iter().next() {
-                let _ = request.reply.send(Written::Failed(e.into()));
+        Err(e) if items.len() == 1 => {
+            if let Some(reply) = replies.into_iter().next() {
+                let _ = reply.send(Written::Failed(e.into()));
             }
         }
         Err(e) => {
-            tracing::warn!(error = %e, lists = group.len(), "storing fetched lists together failed; storing them one by one");
-            for request in group {
+            tracing::warn!(error = %e, lists = items.len(), "storing fetched lists together failed; storing them one by one");
+            for (item, reply) in items.iter().zip(replies) {
                 let outcome = match store
-                    .apply_fetches(std::slice::from_ref(&request.item), max_devices, now_ms())
+                    .apply_fetches(std::slice::from_ref(item), max_devices, now_ms())
                     .await
                 {
                     Ok((mut outcomes, batch)) => {
@@ -171,7 +174,7 @@ async fn write_group(
                     }
                     Err(e) => Written::Failed(e.into()),
                 };
-                let _ = request.reply.send(outcome);
+                let _ = reply.send(outcome);
             }
         }
     }

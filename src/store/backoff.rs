@@ -4,14 +4,19 @@
 //! replicas); a wake-up changes the row only by compare-and-set.
 
 use entity::{fetch_server, revalidation, stale_user};
-use ruma::{OwnedUserId, ServerName, UserId};
-use sea_orm::sea_query::{Alias, Expr, ExprTrait as _, OnConflict, Query, SelectStatement};
+use std::collections::BTreeSet;
+
+use ruma::{OwnedServerName, OwnedUserId, ServerName, UserId};
+use sea_orm::sea_query::{
+    Alias, Expr, ExprTrait as _, OnConflict, Query, SelectStatement, UnionType,
+};
 use sea_orm::{
     ActiveValue::Set, ColumnTrait, DbErr, EntityTrait, FromQueryResult, PaginatorTrait,
     QueryFilter, QueryOrder, QuerySelect, QueryTrait as _,
 };
 
 use super::Store;
+use super::one_of::one_of;
 use super::rows;
 use crate::decide::StaleMark;
 
@@ -33,6 +38,12 @@ pub type ServerWait = fetch_server::Model;
 #[derive(FromQueryResult)]
 struct WorkRow {
     work: bool,
+}
+
+/// [`Store::servers_with_fetch_work`]'s row.
+#[derive(FromQueryResult)]
+struct ServerRow {
+    server_name: String,
 }
 
 /// [`Store::work_ahead`]'s row: the first wait end of each kind, and
@@ -264,6 +275,54 @@ impl Store {
             .one(&self.db)
             .await?;
         Ok(row.is_some_and(|row| row.work))
+    }
+
+    /// Those of `servers` whose job would have work at `now_ms`, as
+    /// [`Store::has_fetch_work`] answers for each: the look that follows
+    /// finished jobs, one statement for every server whose job ended
+    /// meanwhile (on SQLite, one per 500 servers).
+    pub async fn servers_with_fetch_work(
+        &self,
+        servers: &BTreeSet<OwnedServerName>,
+        now_ms: i64,
+    ) -> Result<BTreeSet<OwnedServerName>, DbErr> {
+        let backend = self.db.get_database_backend();
+        let names = || servers.iter().map(|s| s.as_str().to_owned());
+        let mut found = BTreeSet::new();
+        let stale_of = one_of(
+            backend,
+            (stale_user::Entity, stale_user::Column::ServerName),
+            names(),
+        );
+        let revalidations_of = one_of(
+            backend,
+            (revalidation::Entity, revalidation::Column::ServerName),
+            names(),
+        );
+        for (stale, revalidations) in stale_of.into_iter().zip(revalidations_of) {
+            let mut query = self
+                .fetchable_stale_users()
+                .filter(stale)
+                .filter(stale_user::Column::NextAttemptMs.lte(now_ms))
+                .select_only()
+                .column(stale_user::Column::ServerName)
+                .into_query();
+            let revalidations = self
+                .runnable_revalidations_where(revalidations)
+                .filter(revalidation::Column::NextAttemptMs.lte(now_ms))
+                .select_only()
+                .column(revalidation::Column::ServerName)
+                .into_query();
+            query.union(UnionType::Distinct, revalidations);
+            let rows = ServerRow::find_by_statement(backend.build(&query))
+                .all(&self.db)
+                .await?;
+            found.extend(
+                rows.into_iter()
+                    .filter_map(|row| OwnedServerName::try_from(row.server_name).ok()),
+            );
+        }
+        Ok(found)
     }
 
     /// What `server`'s job has ahead of it at `now_ms`, once its due stale

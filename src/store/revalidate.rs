@@ -206,9 +206,18 @@ impl Store {
         &self,
         server: &ServerName,
     ) -> sea_orm::Select<revalidation::Entity> {
+        self.runnable_revalidations_where(revalidation::Column::ServerName.eq(server.as_str()))
+    }
+
+    /// [`Store::runnable_revalidations`] of the servers `servers` selects
+    /// (a condition on `revalidation.server_name`).
+    pub(super) fn runnable_revalidations_where(
+        &self,
+        servers: impl sea_orm::sea_query::IntoCondition,
+    ) -> sea_orm::Select<revalidation::Entity> {
         let user = (revalidation::Entity, revalidation::Column::UserId);
         let query = revalidation::Entity::find()
-            .filter(revalidation::Column::ServerName.eq(server.as_str()))
+            .filter(servers)
             .filter(none_of(rows_where(
                 stale_user::Entity,
                 (stale_user::Entity, stale_user::Column::UserId),

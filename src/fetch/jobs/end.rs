@@ -26,22 +26,10 @@ impl Fetcher {
         let delay = match end {
             JobEnd::Done => {
                 self.finish(message, shutdown).await;
-                // Users marked stale while this job was in hand could not
-                // enqueue a second job for the server: look again, now
-                // that the job is out of the stream (a job enqueued from
-                // here on is stored). Any stale user or revalidation
-                // counts, due or still in its own back-off.
-                match self
-                    .in_turn(|| self.store.has_fetch_work(server, i64::MAX))
-                    .await
-                {
-                    Ok(true) => self.enqueue(server, shutdown).await,
-                    Ok(false) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot check for stale users; enqueueing anyway");
-                        self.enqueue(server, shutdown).await;
-                    }
-                }
+                // Work queued while this job was in hand could not enqueue
+                // a second job for the server: it is looked for now that
+                // the job is out of the stream ([`super::follow_up`]).
+                self.follow_ups.after(server).await;
                 return;
             }
             JobEnd::Parked(due_ms) => {
@@ -89,18 +77,5 @@ impl Fetcher {
             ));
         }
         Ok(())
-    }
-
-    /// Enqueues the server's next job after this one was taken out.
-    /// Nothing else would (the work's own enqueue was refused while this
-    /// job was pending), so a failure (the stream's leader moving) is
-    /// retried until it succeeds; on shutdown the start-up rescan enqueues
-    /// it.
-    async fn enqueue(&self, server: &OwnedServerName, shutdown: &Shutdown) {
-        shutdown
-            .retry("enqueue a server's next fetch job", || {
-                fetch_jobs::enqueue(&self.js, [server])
-            })
-            .await;
     }
 }

@@ -48,6 +48,7 @@ use crate::store::{Store, now_ms};
 
 mod end;
 mod failures;
+pub(crate) mod follow_up;
 mod request;
 use request::Asked;
 
@@ -92,6 +93,8 @@ pub struct Fetcher {
     pub revalidation_slots: Arc<Semaphore>,
     /// Jobs' statements run at once (see [`Fetcher::store_turns`]).
     pub store_turns: Arc<Semaphore>,
+    /// Looks at finished jobs' servers for work queued meanwhile.
+    pub follow_ups: follow_up::FollowUps,
     /// Injected faults (test builds only).
     pub faults: Faults,
 }
