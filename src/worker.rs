@@ -19,7 +19,9 @@ use crate::fetch::error::ClientError;
 use crate::fetch::federation::{FederationClient, FederationSettings};
 use crate::fetch::give_way::IngestBacklog;
 use crate::fetch::jobs::Fetcher;
+use crate::fetch::jobs::USERS_PER_ROUND;
 use crate::fetch::jobs::follow_up::FollowUps;
+use crate::fetch::jobs::starts::JobStarts;
 use crate::fetch::queue::FetchQueue;
 use crate::fetch::retry::RetryPolicy;
 use crate::fetch::wake::{WakeChecker, Wakeups};
@@ -259,6 +261,8 @@ impl Tasks {
         let (follow_ups, follow_up_task) =
             FollowUps::new(self.store.clone(), self.js.clone(), self.shutdown.clone());
         self.set.spawn(follow_up_task);
+        let (starts, starts_task) = JobStarts::new(self.store.clone(), USERS_PER_ROUND);
+        self.set.spawn(starts_task);
         let fetcher = Fetcher {
             js: self.js.clone(),
             store: self.store.clone(),
@@ -274,6 +278,7 @@ impl Tasks {
             backlog,
             revalidation_slots: Fetcher::revalidation_slots(settings.fetch_concurrency),
             store_turns: Fetcher::store_turns(),
+            starts,
             follow_ups,
             faults: self.faults,
         };

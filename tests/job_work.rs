@@ -62,6 +62,7 @@ async fn work(store: &Store) -> (bool, bool, bool, Option<i64>) {
     let start_ahead = start.ahead.map(|a| (a.revalidation_due, a.next_due_ms));
     let expected = stale_due.then_some((ahead.revalidation_due, ahead.next_due_ms));
     assert_eq!(start_ahead, expected, "job_start: what is ahead");
+    starts_as_alone(store, 100).await;
     for at in [NOW, i64::MAX] {
         assert_eq!(
             store.servers_with_fetch_work(&servers(), at).await.unwrap(),
@@ -94,6 +95,19 @@ async fn each_with_work(store: &Store, at: i64) -> BTreeSet<OwnedServerName> {
         }
     }
     found
+}
+
+/// `job_starts` over [`servers`] reads for each what `job_start` reads
+/// alone (on PostgreSQL in one statement over them all), at `NOW` with
+/// round `limit`.
+async fn starts_as_alone(store: &Store, limit: u64) {
+    let together = store.job_starts(&servers(), NOW, limit).await.unwrap();
+    let mut alone = std::collections::BTreeMap::new();
+    for server in servers() {
+        let start = store.job_start(&server, NOW, limit).await.unwrap();
+        alone.insert(server, start);
+    }
+    assert_eq!(together, alone, "job_starts with a limit of {limit}");
 }
 
 /// Stores `server`'s wait: `failures` in a row, its job due at `next_attempt_ms`.
@@ -147,9 +161,19 @@ async fn job_start_reads_the_wait(backend: common::Backend) {
     // back-off is not due, and the wait is read without any.
     stale(&store, "@b:remote.example", 0).await;
     assert_eq!(store.job_start(server, NOW, 1).await.unwrap().due.len(), 1);
+    // Another server with a user due: one statement reads both rounds.
+    sql(
+        &store,
+        "INSERT INTO stale_user (user_id, server_name, marked_at_ms, trigger_stream_ids, failures, next_attempt_ms) \
+         VALUES ('@c:other.example', 'other.example', 1, '[]', 0, 0)",
+    )
+    .await;
+    starts_as_alone(&store, 1).await;
+    starts_as_alone(&store, 100).await;
     sql(&store, "UPDATE stale_user SET next_attempt_ms = 2000000").await;
     let start = store.job_start(server, NOW, 100).await.unwrap();
     assert_eq!((wait_of(&start), start.due.len()), (wait, 0), "no due user");
+    starts_as_alone(&store, 100).await;
 }
 
 async fn job_work(backend: common::Backend) {

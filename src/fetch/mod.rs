@@ -8,6 +8,7 @@
 //! * `jobs`: the fetch-job consumer that ties them together (and the look
 //!   for work queued while a job ran, after it ends);
 //! * `writer`: stores fetched lists in groups, one transaction each;
+//! * `gather`: what tasks hand over a few milliseconds apart, served together;
 //! * `wake`: input from a server ends its job's wait (rule pure);
 //! * `queue`: the one way in for users that need fetching: enqueue their
 //!   servers' jobs and start parked ones;
@@ -20,6 +21,7 @@ pub mod answer;
 pub(crate) mod discovery;
 pub mod error;
 pub mod federation;
+pub(crate) mod gather;
 pub mod give_way;
 pub(crate) mod guard;
 pub(crate) mod jobs;

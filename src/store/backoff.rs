@@ -56,40 +56,6 @@ struct AheadRow {
     revalidation_due: bool,
 }
 
-/// [`Store::job_start`]'s row: a due stale user, and its server's wait.
-#[derive(FromQueryResult)]
-struct StartRow {
-    #[sea_orm(nested)]
-    user: stale_user::Model,
-    server_failures: Option<i32>,
-    server_next_attempt_ms: Option<i64>,
-    stale: Option<i64>,
-    revalidation: Option<i64>,
-    revalidation_due: bool,
-}
-
-/// A server's stored wait, as its fetch job starts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct JobWait {
-    /// The server's failures in a row so far.
-    pub failures: i32,
-    /// When its job may run (Unix ms; 0: not waiting).
-    pub next_attempt_ms: i64,
-}
-
-/// What a fetch job reads as it starts ([`Store::job_start`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct JobStart {
-    /// The server's stored wait (None: nothing to wait for).
-    pub wait: Option<JobWait>,
-    /// Its first round of due stale users, as
-    /// [`Store::due_stale_users`] reads them.
-    pub due: Vec<DueUser>,
-    /// What else is ahead of the job, as [`Store::work_ahead`] answers it,
-    /// read with the users; None when no stale user is due.
-    pub ahead: Option<WorkAhead>,
-}
-
 /// What a job whose due stale users are done has ahead of it
 /// ([`Store::work_ahead`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -107,7 +73,7 @@ pub struct WorkAhead {
 impl WorkAhead {
     /// From the columns of [`Store::ahead_columns`] (and whether a stale
     /// user is due): the next work due is the first of the two waits.
-    fn new(
+    pub(super) fn new(
         stale_due: bool,
         revalidation_due: bool,
         stale: Option<i64>,
@@ -137,8 +103,15 @@ impl Store {
 
     /// [`Store::fetchable_stale_users`] of `server`.
     fn server_stale_users(&self, server: &ServerName) -> sea_orm::Select<stale_user::Entity> {
-        self.fetchable_stale_users()
-            .filter(stale_user::Column::ServerName.eq(server.as_str()))
+        self.stale_users_of(&named(server))
+    }
+
+    /// [`Store::fetchable_stale_users`] of the server `server` names: a
+    /// value, or in a statement over many servers the outer query's column.
+    pub(super) fn stale_users_of(&self, server: &Expr) -> sea_orm::Select<stale_user::Entity> {
+        self.fetchable_stale_users().filter(
+            Expr::col((stale_user::Entity, stale_user::Column::ServerName)).eq(server.clone()),
+        )
     }
 
     /// Stale users of `server` that may be fetched at `now_ms` (their own
@@ -160,80 +133,6 @@ impl Store {
         Ok(rows.iter().filter_map(due_user).collect())
     }
 
-    /// What `server`'s fetch job reads as it starts at `now_ms`: the
-    /// server's stored wait, its first `limit` due stale users (as
-    /// [`Store::due_stale_users`]) and what else is ahead of it. One
-    /// statement when a stale user is due, the common case (every job of a
-    /// fan-out starts with one); a second reads the wait alone when none
-    /// is.
-    pub async fn job_start(
-        &self,
-        server: &ServerName,
-        now_ms: i64,
-        limit: u64,
-    ) -> Result<JobStart, DbErr> {
-        let wait_column = |column: fetch_server::Column| {
-            Query::select()
-                .column(column)
-                .from(fetch_server::Entity)
-                .and_where(fetch_server::Column::ServerName.eq(server.as_str()))
-                .to_owned()
-        };
-        let mut select = self
-            .server_stale_users(server)
-            .filter(stale_user::Column::NextAttemptMs.lte(now_ms))
-            .expr_as(
-                wait_column(fetch_server::Column::Failures),
-                "server_failures",
-            )
-            .expr_as(
-                wait_column(fetch_server::Column::NextAttemptMs),
-                "server_next_attempt_ms",
-            );
-        for (column, alias) in self.ahead_columns(server, now_ms) {
-            select = select.expr_as(column, alias);
-        }
-        let rows = select
-            .order_by_asc(stale_user::Column::MarkedAtMs)
-            .order_by_asc(stale_user::Column::UserId)
-            .limit(limit)
-            .into_model::<StartRow>()
-            .all(&self.db)
-            .await?;
-        let Some(first) = rows.first() else {
-            let wait = self.server_wait(server).await?;
-            return Ok(JobStart {
-                wait: wait.map(|wait| JobWait {
-                    failures: wait.failures,
-                    next_attempt_ms: wait.next_attempt_ms,
-                }),
-                due: Vec::new(),
-                ahead: None,
-            });
-        };
-        let wait = first.server_failures.zip(first.server_next_attempt_ms).map(
-            |(failures, next_attempt_ms)| JobWait {
-                failures,
-                next_attempt_ms,
-            },
-        );
-        let ahead = WorkAhead::new(
-            true,
-            first.revalidation_due,
-            first.stale,
-            first.revalidation,
-        );
-        Ok(JobStart {
-            wait,
-            ahead: Some(ahead),
-            due: rows
-                .iter()
-                .map(|row| &row.user)
-                .filter_map(due_user)
-                .collect(),
-        })
-    }
-
     /// Whether `server` has a stale user that may be fetched at `now_ms`.
     pub async fn has_due_user(&self, server: &ServerName, now_ms: i64) -> Result<bool, DbErr> {
         Ok(!self.due_stale_users(server, now_ms, 1).await?.is_empty())
@@ -251,8 +150,8 @@ impl Store {
 
     /// Selects a row for each queued revalidation of `server` a job may
     /// send at `now_ms` (for `EXISTS`).
-    fn revalidation_due_query(&self, server: &ServerName, now_ms: i64) -> SelectStatement {
-        self.runnable_revalidations(server)
+    fn revalidation_due_query(&self, server: &Expr, now_ms: i64) -> SelectStatement {
+        self.runnable_revalidations_of(server)
             .select_only()
             .expr(Expr::val(1))
             .filter(revalidation::Column::NextAttemptMs.lte(now_ms))
@@ -264,7 +163,7 @@ impl Store {
     /// statement: every job asks it when it ends or parks.
     pub async fn has_fetch_work(&self, server: &ServerName, now_ms: i64) -> Result<bool, DbErr> {
         let stale = self.stale_due_query(server, now_ms);
-        let revalidations = self.revalidation_due_query(server, now_ms);
+        let revalidations = self.revalidation_due_query(&named(server), now_ms);
         let query = Query::select()
             .expr_as(
                 Expr::exists(stale).or(Expr::exists(revalidations)),
@@ -334,7 +233,7 @@ impl Store {
     pub async fn work_ahead(&self, server: &ServerName, now_ms: i64) -> Result<WorkAhead, DbErr> {
         let stale_due = self.stale_due_query(server, now_ms);
         let mut query = Query::select();
-        for (column, alias) in self.ahead_columns(server, now_ms) {
+        for (column, alias) in self.ahead_columns(&named(server), now_ms) {
             query.expr_as(column, Alias::new(alias));
         }
         query.expr_as(Expr::exists(stale_due), Alias::new("stale_due"));
@@ -355,15 +254,15 @@ impl Store {
     /// its due stale users: the first wait end of a stale user and of a
     /// queued revalidation still in their own wait, and whether a queued
     /// revalidation may be sent now.
-    fn ahead_columns(&self, server: &ServerName, now_ms: i64) -> [(Expr, &'static str); 3] {
+    pub(super) fn ahead_columns(&self, server: &Expr, now_ms: i64) -> [(Expr, &'static str); 3] {
         let stale = self
-            .server_stale_users(server)
+            .stale_users_of(server)
             .select_only()
             .column_as(stale_user::Column::NextAttemptMs.min(), "due")
             .filter(stale_user::Column::NextAttemptMs.gt(now_ms))
             .into_query();
         let revalidations = self
-            .runnable_revalidations(server)
+            .runnable_revalidations_of(server)
             .select_only()
             .column_as(revalidation::Column::NextAttemptMs.min(), "due")
             .filter(revalidation::Column::NextAttemptMs.gt(now_ms))
@@ -534,11 +433,16 @@ impl Store {
 }
 
 /// A stale row as a due user (None: not a user id, never stored).
-fn due_user(row: &stale_user::Model) -> Option<DueUser> {
+pub(super) fn due_user(row: &stale_user::Model) -> Option<DueUser> {
     let (user, mark) = rows::stale(row)?;
     Some(DueUser {
         user,
         mark,
         failures: u32::try_from(row.failures).unwrap_or(0),
     })
+}
+
+/// `server`'s name as a value in a statement about it.
+pub(super) fn named(server: &ServerName) -> Expr {
+    Expr::val(server.as_str())
 }

@@ -8,6 +8,7 @@ pub(crate) mod backoff;
 mod bulk;
 mod bulk_rooms;
 pub(crate) mod fetched;
+pub(crate) mod job_start;
 mod load;
 mod one_of;
 pub(crate) mod outbox;
@@ -19,7 +20,7 @@ mod rows;
 mod sharing;
 mod write;
 
-pub use backoff::{JobStart, JobWait};
+pub use job_start::{JobStart, JobWait};
 
 use std::collections::BTreeSet;
 use std::time::Duration;

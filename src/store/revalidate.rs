@@ -206,7 +206,18 @@ impl Store {
         &self,
         server: &ServerName,
     ) -> sea_orm::Select<revalidation::Entity> {
-        self.runnable_revalidations_where(revalidation::Column::ServerName.eq(server.as_str()))
+        self.runnable_revalidations_of(&super::backoff::named(server))
+    }
+
+    /// [`Store::runnable_revalidations`] of the server `server` names: a
+    /// value, or in a statement over many servers the outer query's column.
+    pub(super) fn runnable_revalidations_of(
+        &self,
+        server: &Expr,
+    ) -> sea_orm::Select<revalidation::Entity> {
+        self.runnable_revalidations_where(
+            Expr::col((revalidation::Entity, revalidation::Column::ServerName)).eq(server.clone()),
+        )
     }
 
     /// [`Store::runnable_revalidations`] of the servers `servers` selects

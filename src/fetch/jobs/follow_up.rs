@@ -21,6 +21,7 @@ use ruma::OwnedServerName;
 use tokio::sync::mpsc;
 
 use crate::bus::fetch_jobs;
+use crate::fetch::gather::gather;
 use crate::shutdown::Shutdown;
 use crate::store::Store;
 
@@ -69,32 +70,9 @@ async fn run(
     mut queue: mpsc::Receiver<OwnedServerName>,
 ) {
     while let Some(servers) = gather(&mut queue, GATHER, GROUP).await {
+        let servers: BTreeSet<OwnedServerName> = servers.into_iter().collect();
         follow_up(&store, &js, &shutdown, &servers).await;
     }
-}
-
-/// The next servers to look at: the first handed over, and those handed
-/// over within `window` of it, at most `most` (None once every handle is
-/// gone and the queue is empty).
-async fn gather(
-    queue: &mut mpsc::Receiver<OwnedServerName>,
-    window: Duration,
-    most: usize,
-) -> Option<BTreeSet<OwnedServerName>> {
-    let first = queue.recv().await?;
-    let mut servers = BTreeSet::from([first]);
-    let until = tokio::time::Instant::now() + window;
-    while servers.len() < most {
-        match tokio::time::timeout_at(until, queue.recv()).await {
-            Ok(Some(server)) => {
-                servers.insert(server);
-            }
-            // The window is over, or every handle is gone (stopping):
-            // look at what was gathered.
-            Ok(None) | Err(_) => break,
-        }
-    }
-    Some(servers)
 }
 
 /// Enqueues the next job of those of `servers` with work queued: any stale
@@ -125,42 +103,4 @@ async fn follow_up(
             fetch_jobs::enqueue(js, &with_work)
         })
         .await;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn server(i: usize) -> OwnedServerName {
-        OwnedServerName::try_from(format!("s{i}.example")).unwrap()
-    }
-
-    /// Servers handed over within the window are looked at together, at
-    /// most `most` at once; one handed over after it waits for the next
-    /// look; the last look comes once every handle is gone.
-    #[tokio::test(start_paused = true)]
-    async fn gathers_within_the_window() {
-        let (tx, mut rx) = mpsc::channel(16);
-        let window = Duration::from_millis(50);
-        let sender = tokio::spawn(async move {
-            for i in 0..3 {
-                tx.send(server(i)).await.unwrap();
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            tx.send(server(2)).await.unwrap();
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            tx.send(server(3)).await.unwrap();
-            for i in 4..8 {
-                tx.send(server(i)).await.unwrap();
-            }
-        });
-        let first = gather(&mut rx, window, 4).await.unwrap();
-        assert_eq!(first, (0..3).map(server).collect());
-        let second = gather(&mut rx, window, 4).await.unwrap();
-        assert_eq!(second, (3..7).map(server).collect(), "at most four");
-        sender.await.unwrap();
-        let last = gather(&mut rx, window, 4).await.unwrap();
-        assert_eq!(last, BTreeSet::from([server(7)]));
-        assert_eq!(gather(&mut rx, window, 4).await, None);
-    }
 }

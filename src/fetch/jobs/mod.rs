@@ -50,10 +50,11 @@ mod end;
 mod failures;
 pub(crate) mod follow_up;
 mod request;
+pub(crate) mod starts;
 use request::Asked;
 
 /// Stale users read per round of a job.
-const USERS_PER_ROUND: u64 = 100;
+pub(crate) const USERS_PER_ROUND: u64 = 100;
 /// Revalidations sent per round of a job before stale users are looked for
 /// again: one, so a stale user waits for at most the request in flight.
 const REVALIDATIONS_PER_ROUND: u64 = 1;
@@ -93,6 +94,8 @@ pub struct Fetcher {
     pub revalidation_slots: Arc<Semaphore>,
     /// Jobs' statements run at once (see [`Fetcher::store_turns`]).
     pub store_turns: Arc<Semaphore>,
+    /// Reads what starting jobs read, many at once.
+    pub starts: starts::JobStarts,
     /// Looks at finished jobs' servers for work queued meanwhile.
     pub follow_ups: follow_up::FollowUps,
     /// Injected faults (test builds only).
@@ -256,9 +259,7 @@ impl Fetcher {
         message: &Message,
         server: &OwnedServerName,
     ) -> Option<(u32, JobStart)> {
-        let start = self
-            .in_turn(|| self.store.job_start(server, now_ms(), USERS_PER_ROUND))
-            .await;
+        let start = self.starts.start(server).await;
         let start = match start {
             Ok(start) => start,
             Err(e) => {
