@@ -7,16 +7,14 @@ use entity::{fetch_server, revalidation, stale_user};
 use std::collections::BTreeSet;
 
 use ruma::{OwnedServerName, OwnedUserId, ServerName, UserId};
-use sea_orm::sea_query::{
-    Alias, Expr, ExprTrait as _, OnConflict, Query, SelectStatement, UnionType,
-};
+use sea_orm::sea_query::{Alias, Expr, ExprTrait as _, OnConflict, Query, SelectStatement};
 use sea_orm::{
-    ActiveValue::Set, ColumnTrait, DbErr, EntityTrait, FromQueryResult, PaginatorTrait,
+    ActiveValue::Set, ColumnTrait, DbBackend, DbErr, EntityTrait, FromQueryResult, PaginatorTrait,
     QueryFilter, QueryOrder, QuerySelect, QueryTrait as _,
 };
 
 use super::Store;
-use super::one_of::one_of;
+use super::one_of::unnest;
 use super::rows;
 use crate::decide::StaleMark;
 
@@ -39,6 +37,9 @@ pub type ServerWait = fetch_server::Model;
 struct WorkRow {
     work: bool,
 }
+
+/// The column of the servers in [`Store::servers_with_fetch_work`].
+const LOOKED_AT: &str = "looked_at";
 
 /// [`Store::servers_with_fetch_work`]'s row.
 #[derive(FromQueryResult)]
@@ -140,8 +141,8 @@ impl Store {
 
     /// Selects a row for each stale user of `server` a job may fetch at
     /// `now_ms` (for `EXISTS`).
-    fn stale_due_query(&self, server: &ServerName, now_ms: i64) -> SelectStatement {
-        self.server_stale_users(server)
+    fn stale_due_query(&self, server: &Expr, now_ms: i64) -> SelectStatement {
+        self.stale_users_of(server)
             .select_only()
             .expr(Expr::val(1))
             .filter(stale_user::Column::NextAttemptMs.lte(now_ms))
@@ -162,7 +163,7 @@ impl Store {
     /// queued revalidation (SPEC §5.7) whose own wait is over. One
     /// statement: every job asks it when it ends or parks.
     pub async fn has_fetch_work(&self, server: &ServerName, now_ms: i64) -> Result<bool, DbErr> {
-        let stale = self.stale_due_query(server, now_ms);
+        let stale = self.stale_due_query(&named(server), now_ms);
         let revalidations = self.revalidation_due_query(&named(server), now_ms);
         let query = Query::select()
             .expr_as(
@@ -178,50 +179,47 @@ impl Store {
 
     /// Those of `servers` whose job would have work at `now_ms`, as
     /// [`Store::has_fetch_work`] answers for each: the look that follows
-    /// finished jobs, one statement for every server whose job ended
-    /// meanwhile (on SQLite, one per 500 servers).
+    /// finished jobs. On PostgreSQL one statement for them all, with the
+    /// same `EXISTS` probes per server as alone (each stops at its first
+    /// row, however many stale users the server has); on SQLite, in
+    /// process, each alone.
     pub async fn servers_with_fetch_work(
         &self,
         servers: &BTreeSet<OwnedServerName>,
         now_ms: i64,
     ) -> Result<BTreeSet<OwnedServerName>, DbErr> {
         let backend = self.db.get_database_backend();
-        let names = || servers.iter().map(|s| s.as_str().to_owned());
-        let mut found = BTreeSet::new();
-        let stale_of = one_of(
-            backend,
-            (stale_user::Entity, stale_user::Column::ServerName),
-            names(),
-        );
-        let revalidations_of = one_of(
-            backend,
-            (revalidation::Entity, revalidation::Column::ServerName),
-            names(),
-        );
-        for (stale, revalidations) in stale_of.into_iter().zip(revalidations_of) {
-            let mut query = self
-                .fetchable_stale_users()
-                .filter(stale)
-                .filter(stale_user::Column::NextAttemptMs.lte(now_ms))
-                .select_only()
-                .column(stale_user::Column::ServerName)
-                .into_query();
-            let revalidations = self
-                .runnable_revalidations_where(revalidations)
-                .filter(revalidation::Column::NextAttemptMs.lte(now_ms))
-                .select_only()
-                .column(revalidation::Column::ServerName)
-                .into_query();
-            query.union(UnionType::Distinct, revalidations);
-            let rows = ServerRow::find_by_statement(backend.build(&query))
-                .all(&self.db)
-                .await?;
-            found.extend(
-                rows.into_iter()
-                    .filter_map(|row| OwnedServerName::try_from(row.server_name).ok()),
-            );
+        if backend != DbBackend::Postgres {
+            let mut found = BTreeSet::new();
+            for server in servers {
+                if self.has_fetch_work(server, now_ms).await? {
+                    found.insert(server.clone());
+                }
+            }
+            return Ok(found);
         }
-        Ok(found)
+        if servers.is_empty() {
+            return Ok(BTreeSet::new());
+        }
+        let server = Expr::col(Alias::new(LOOKED_AT));
+        let query = Query::select()
+            .expr_as(server.clone(), Alias::new("server_name"))
+            .from_function(
+                unnest(servers.iter().map(|s| s.as_str())),
+                Alias::new(LOOKED_AT),
+            )
+            .and_where(
+                Expr::exists(self.stale_due_query(&server, now_ms))
+                    .or(Expr::exists(self.revalidation_due_query(&server, now_ms))),
+            )
+            .to_owned();
+        let rows = ServerRow::find_by_statement(backend.build(&query))
+            .all(&self.db)
+            .await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|row| OwnedServerName::try_from(row.server_name).ok())
+            .collect())
     }
 
     /// What `server`'s job has ahead of it at `now_ms`, once its due stale
@@ -231,7 +229,7 @@ impl Store {
     /// job asks it before it ends, so a job with nothing left ends without
     /// a second look for stale users or revalidations.
     pub async fn work_ahead(&self, server: &ServerName, now_ms: i64) -> Result<WorkAhead, DbErr> {
-        let stale_due = self.stale_due_query(server, now_ms);
+        let stale_due = self.stale_due_query(&named(server), now_ms);
         let mut query = Query::select();
         for (column, alias) in self.ahead_columns(&named(server), now_ms) {
             query.expr_as(column, Alias::new(alias));

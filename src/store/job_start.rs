@@ -7,10 +7,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use entity::{fetch_server, stale_user};
 use ruma::{OwnedServerName, ServerName};
-use sea_orm::sea_query::{Alias, Asterisk, Expr, ExprTrait as _, Func, JoinType, Query};
+use sea_orm::sea_query::{Alias, Asterisk, Expr, ExprTrait as _, JoinType, Query};
 use sea_orm::{
     ColumnTrait, ConnectionTrait as _, DbBackend, DbErr, EntityTrait, FromQueryResult, QueryFilter,
-    QueryOrder, QuerySelect, QueryTrait as _, Select, Value,
+    QueryOrder, QuerySelect, QueryTrait as _, Select,
 };
 
 use super::Store;
@@ -98,15 +98,16 @@ impl Store {
             }
             return Ok(starts);
         }
-        let names: Vec<Value> = servers.iter().map(|s| s.as_str().into()).collect();
-        let array = Value::Array(sea_orm::sea_query::ArrayType::String, Some(Box::new(names)));
         let each = self
             .start_select(&Expr::col(Alias::new(JOB_SERVER)), now_ms, limit)
             .into_query();
         let query = Query::select()
             .expr_as(Expr::col(Alias::new(JOB_SERVER)), Alias::new(JOB_SERVER))
             .column((Alias::new(DUE), Asterisk))
-            .from_function(Func::cust("unnest").arg(array), Alias::new(JOB_SERVER))
+            .from_function(
+                super::one_of::unnest(servers.iter().map(|s| s.as_str())),
+                Alias::new(JOB_SERVER),
+            )
             .join_lateral(
                 JoinType::InnerJoin,
                 each,

@@ -12,7 +12,9 @@
 //! [`CHUNK`] values.
 
 use sea_orm::sea_query::extension::postgres::PgFunc;
-use sea_orm::sea_query::{Condition, Expr, ExprTrait, IntoColumnRef};
+use sea_orm::sea_query::{
+    ArrayType, Condition, Expr, ExprTrait, Func, FunctionCall, IntoColumnRef,
+};
 use sea_orm::{DbBackend, Value};
 
 use super::rows::CHUNK;
@@ -41,6 +43,15 @@ where
         .chunks(CHUNK)
         .map(|chunk| Expr::col(column.clone()).is_in(chunk.iter().cloned()))
         .collect()
+}
+
+/// `unnest($1)` of `names` as one text-array parameter (PostgreSQL only):
+/// a set of values as rows, for a statement that asks the same question of
+/// each (a `LATERAL` subquery, `EXISTS` probes) in one text.
+pub(super) fn unnest<'a>(names: impl IntoIterator<Item = &'a str>) -> FunctionCall {
+    let names: Vec<Value> = names.into_iter().map(Into::into).collect();
+    let array = Value::Array(ArrayType::String, Some(Box::new(names)));
+    Func::cust("unnest").arg(array)
 }
 
 /// The conditions that together select the rows whose `a.0` is one of
