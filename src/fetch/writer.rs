@@ -8,7 +8,7 @@ use std::future::Future;
 use sea_orm::DbErr;
 use tokio::sync::{mpsc, oneshot};
 
-use super::gather::{gather, without_repeats};
+use super::gather::{Gathering, gather, without_repeats};
 use crate::bus::publisher::OutboxHandle;
 use crate::decide::fetched::{FetchPlan, FetchRefusal};
 use crate::store::fetched::FetchedUser;
@@ -16,12 +16,18 @@ use crate::store::{Store, now_ms};
 
 /// Lists stored per transaction at most.
 const GROUP: usize = 256;
-/// How long the first list handed over waits for others. Servers answer
-/// one by one, and a writer that took only what was queued stored groups
-/// of 20 to 85 lists, as the database's pace happened to make them
-/// (measured over 10,000 users: 118 to 441 transactions of about a dozen
-/// statements each). A list waits this long once, before it is stored.
-const GATHER: std::time::Duration = std::time::Duration::from_millis(20);
+/// How lists are gathered into a transaction. Servers answer one by one,
+/// and a writer that took only what was queued stored groups of 20 to 85
+/// lists, as the database's pace happened to make them (measured over
+/// 10,000 users: 118 to 441 transactions of about a dozen statements
+/// each). Lists that keep coming, each within 2 ms of the one before, are
+/// gathered for up to 20 ms; a job fetching its server's users alone,
+/// whose next request waits for this list's answer, waits 2 ms.
+const GATHER: Gathering = Gathering {
+    gap: std::time::Duration::from_millis(2),
+    window: std::time::Duration::from_millis(20),
+    most: GROUP,
+};
 
 /// What storing one fetched list came to.
 #[derive(Debug)]
@@ -98,7 +104,7 @@ async fn run(
     outbox: OutboxHandle,
     mut queue: mpsc::Receiver<Request>,
 ) {
-    while let Some(requests) = gather(&mut queue, GATHER, GROUP).await {
+    while let Some(requests) = gather(&mut queue, GATHER).await {
         // A list of a user already in the group waits for the next one.
         for group in without_repeats(requests, |request| request.item.user.clone()) {
             write_group(&store, max_devices, &outbox, group).await;

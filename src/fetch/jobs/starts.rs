@@ -13,16 +13,18 @@ use ruma::OwnedServerName;
 use sea_orm::DbErr;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::fetch::gather::gather;
+use crate::fetch::gather::{Gathering, gather};
 use crate::store::{JobStart, Store, now_ms};
 
-/// Jobs read per statement at most: each brings up to a round of users, so
-/// this bounds the rows one statement holds.
-const GROUP: usize = 64;
-/// How long the first job waits for others. The jobs of one pull are
-/// started within microseconds of each other; a job alone waits this long
-/// once, before its first request.
-const GATHER: Duration = Duration::from_millis(5);
+/// How starting jobs are gathered. The jobs of one pull start within
+/// microseconds of each other: each within 1 ms of the one before, for up
+/// to 5 ms, and at most 64 (each brings up to a round of users, so this
+/// bounds the rows one statement holds). A job alone waits 1 ms.
+const GATHER: Gathering = Gathering {
+    gap: Duration::from_millis(1),
+    window: Duration::from_millis(5),
+    most: 64,
+};
 
 /// A job's question and where its answer goes.
 type Asked = (OwnedServerName, oneshot::Sender<Result<JobStart, DbErr>>);
@@ -37,7 +39,7 @@ impl JobStarts {
     /// The handle and its task, for the caller to run; `round`: the stale
     /// users read per job. The task ends once every handle is dropped.
     pub fn new(store: Store, round: u64) -> (JobStarts, impl Future<Output = ()> + Send + 'static) {
-        let (tx, rx) = mpsc::channel(GROUP * 4);
+        let (tx, rx) = mpsc::channel(GATHER.most * 4);
         (JobStarts { queue: tx }, run(store, round, rx))
     }
 
@@ -54,7 +56,7 @@ impl JobStarts {
 }
 
 async fn run(store: Store, round: u64, mut queue: mpsc::Receiver<Asked>) {
-    while let Some(asked) = gather(&mut queue, GATHER, GROUP).await {
+    while let Some(asked) = gather(&mut queue, GATHER).await {
         let servers: BTreeSet<OwnedServerName> =
             asked.iter().map(|(server, _)| server.clone()).collect();
         let mut starts = match store.job_starts(&servers, now_ms(), round).await {
