@@ -7,7 +7,9 @@ use entity::{fetch_server, revalidation, stale_user};
 use std::collections::BTreeSet;
 
 use ruma::{OwnedServerName, OwnedUserId, ServerName, UserId};
-use sea_orm::sea_query::{Alias, Expr, ExprTrait as _, OnConflict, Query, SelectStatement};
+use sea_orm::sea_query::{
+    Alias, Expr, ExprTrait as _, IntoColumnRef, OnConflict, Order, Query, SelectStatement,
+};
 use sea_orm::{
     ActiveValue::Set, ColumnTrait, DbBackend, DbErr, EntityTrait, FromQueryResult, PaginatorTrait,
     QueryFilter, QueryOrder, QuerySelect, QueryTrait as _,
@@ -41,10 +43,19 @@ struct WorkRow {
 /// The column of the servers in [`Store::servers_with_fetch_work`].
 const LOOKED_AT: &str = "looked_at";
 
-/// [`Store::servers_with_fetch_work`]'s row.
+/// Whether `rows` has a row: a subquery for its first row in `order`
+/// (see [`Store::servers_with_fetch_work`] for why not `EXISTS`).
+fn has_first_row(mut rows: SelectStatement, order: impl IntoColumnRef) -> Expr {
+    rows.order_by(order, Order::Asc).limit(1);
+    Expr::from(rows).is_not_null()
+}
+
+/// [`Store::servers_with_fetch_work`]'s row: a server looked at, and
+/// whether its job would have work.
 #[derive(FromQueryResult)]
-struct ServerRow {
+struct ServerWorkRow {
     server_name: String,
+    work: bool,
 }
 
 /// [`Store::work_ahead`]'s row: the first wait end of each kind, and
@@ -183,6 +194,16 @@ impl Store {
     /// same `EXISTS` probes per server as alone (each stops at its first
     /// row, however many stale users the server has); on SQLite, in
     /// process, each alone.
+    ///
+    /// Each server's probe is a subquery for its first row in
+    /// `next_attempt_ms` order, so that PostgreSQL reads it through the
+    /// server's index: it may run an `EXISTS` over many servers as one
+    /// hashed pass over every stale user and queued revalidation instead
+    /// (seen at 1,000,000 users: 20 ms a look, 167 ms with membership on),
+    /// and a bare `LIMIT 1` as a table scan per server that it expects to
+    /// stop early (it does not, for a server with nothing left: the usual
+    /// case after its job). A table scan cannot give the order without
+    /// reading the whole table, the server's index can.
     pub async fn servers_with_fetch_work(
         &self,
         servers: &BTreeSet<OwnedServerName>,
@@ -204,20 +225,28 @@ impl Store {
         let server = Expr::col(Alias::new(LOOKED_AT));
         let query = Query::select()
             .expr_as(server.clone(), Alias::new("server_name"))
+            .expr_as(
+                has_first_row(
+                    self.stale_due_query(&server, now_ms),
+                    (stale_user::Entity, stale_user::Column::NextAttemptMs),
+                )
+                .or(has_first_row(
+                    self.revalidation_due_query(&server, now_ms),
+                    (revalidation::Entity, revalidation::Column::NextAttemptMs),
+                )),
+                Alias::new("work"),
+            )
             .from_function(
                 unnest(servers.iter().map(|s| s.as_str())),
                 Alias::new(LOOKED_AT),
             )
-            .and_where(
-                Expr::exists(self.stale_due_query(&server, now_ms))
-                    .or(Expr::exists(self.revalidation_due_query(&server, now_ms))),
-            )
             .to_owned();
-        let rows = ServerRow::find_by_statement(backend.build(&query))
+        let rows = ServerWorkRow::find_by_statement(backend.build(&query))
             .all(&self.db)
             .await?;
         Ok(rows
             .into_iter()
+            .filter(|row| row.work)
             .filter_map(|row| OwnedServerName::try_from(row.server_name).ok())
             .collect())
     }
