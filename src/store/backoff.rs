@@ -50,12 +50,10 @@ fn has_first_row(mut rows: SelectStatement, order: impl IntoColumnRef) -> Expr {
     Expr::from(rows).is_not_null()
 }
 
-/// [`Store::servers_with_fetch_work`]'s row: a server looked at, and
-/// whether its job would have work.
+/// [`Store::servers_with_fetch_work`]'s row.
 #[derive(FromQueryResult)]
-struct ServerWorkRow {
+struct ServerRow {
     server_name: String,
-    work: bool,
 }
 
 /// [`Store::work_ahead`]'s row: the first wait end of each kind, and
@@ -190,12 +188,11 @@ impl Store {
 
     /// Those of `servers` whose job would have work at `now_ms`, as
     /// [`Store::has_fetch_work`] answers for each: the look that follows
-    /// finished jobs. On PostgreSQL one statement for them all, with the
-    /// same `EXISTS` probes per server as alone (each stops at its first
-    /// row, however many stale users the server has); on SQLite, in
+    /// finished jobs. On PostgreSQL one statement for them all, asking of
+    /// each server what [`Store::has_fetch_work`] asks; on SQLite, in
     /// process, each alone.
     ///
-    /// Each server's probe is a subquery for its first row in
+    /// Each server's probe is a subquery for its first due row in
     /// `next_attempt_ms` order, so that PostgreSQL reads it through the
     /// server's index: it may run an `EXISTS` over many servers as one
     /// hashed pass over every stale user and queued revalidation instead
@@ -225,7 +222,11 @@ impl Store {
         let server = Expr::col(Alias::new(LOOKED_AT));
         let query = Query::select()
             .expr_as(server.clone(), Alias::new("server_name"))
-            .expr_as(
+            .from_function(
+                unnest(servers.iter().map(|s| s.as_str())),
+                Alias::new(LOOKED_AT),
+            )
+            .and_where(
                 has_first_row(
                     self.stale_due_query(&server, now_ms),
                     (stale_user::Entity, stale_user::Column::NextAttemptMs),
@@ -234,19 +235,13 @@ impl Store {
                     self.revalidation_due_query(&server, now_ms),
                     (revalidation::Entity, revalidation::Column::NextAttemptMs),
                 )),
-                Alias::new("work"),
-            )
-            .from_function(
-                unnest(servers.iter().map(|s| s.as_str())),
-                Alias::new(LOOKED_AT),
             )
             .to_owned();
-        let rows = ServerWorkRow::find_by_statement(backend.build(&query))
+        let rows = ServerRow::find_by_statement(backend.build(&query))
             .all(&self.db)
             .await?;
         Ok(rows
             .into_iter()
-            .filter(|row| row.work)
             .filter_map(|row| OwnedServerName::try_from(row.server_name).ok())
             .collect())
     }
